@@ -1,0 +1,120 @@
+"""Eager reference of the LR-AttnRes depth read (SPEC §2 and §7), written to be read.
+
+Every fast path in this project is tested against these functions.
+
+    k̄_s = RMSNorm(k_s)          over the r key dims, no gain, fp32, eps = finfo(fp32).eps
+    ℓ_s = <q, k̄_s>               logit scale 1, one routing head
+    α   = softmax_s(ℓ)           per token, fp32
+    h   = Σ_s α_s v_s            full width d, returned in the values' dtype
+
+Shapes: ``values`` is a sequence of S tensors ``[..., d]`` (same shape and dtype), ``keys`` a
+sequence of S RAW (not yet normalised) tensors ``[..., r]``, ``query`` is ``[r]`` (or ``[c, r]``
+for the batched phase-1 read of a block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DEFAULT_EPS = torch.finfo(torch.float32).eps
+
+
+def _eps(eps: float | None) -> float:
+    return DEFAULT_EPS if eps is None else float(eps)
+
+
+def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], query: torch.Tensor):
+    if len(values) == 0:
+        raise ValueError("depth_read needs at least one source")
+    if len(values) != len(keys):
+        raise ValueError(f"got {len(values)} values but {len(keys)} keys")
+    shape = values[0].shape
+    for i, (v, k) in enumerate(zip(values, keys)):
+        if v.shape != shape:
+            raise ValueError(f"value {i} has shape {tuple(v.shape)}, expected {tuple(shape)}")
+        if k.shape[:-1] != shape[:-1]:
+            raise ValueError(f"key {i} has shape {tuple(k.shape)}, leading dims must be {tuple(shape[:-1])}")
+        if k.shape[-1] != query.shape[-1]:
+            raise ValueError(f"key {i} has rank {k.shape[-1]}, query has rank {query.shape[-1]}")
+
+
+def key_rmsnorm(key: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    """Parameter-free RMSNorm over the last dim, computed (and returned) in fp32."""
+    k = key.float()
+    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + _eps(eps))
+
+
+def sliced_keys(values: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """S-LR keys: the last ``rank`` dims of each raw value (views, no copy)."""
+    return [v[..., v.shape[-1] - rank :] for v in values]
+
+
+def depth_logits(keys: Sequence[torch.Tensor], query: torch.Tensor, eps: float | None = None):
+    """Routing logits ``[S, ...]`` (fp32) for a single query ``[r]``, or ``[c, S, ...]`` for ``[c, r]``."""
+    k = torch.stack([key_rmsnorm(key, eps) for key in keys])  # [S, ..., r]
+    q = query.float()
+    if q.dim() == 1:
+        return (k * q).sum(-1)
+    return torch.einsum("s...r,cr->cs...", k, q)
+
+
+def depth_read_with_lse(values, keys, query, eps=None):
+    """The read and its per-token log-sum-exp.
+
+    Returns ``(h, lse)``: h ``[..., d]`` in the values' dtype (``[c, ..., d]`` for a ``[c, r]``
+    query bank), lse fp32 ``[...]`` (``[c, ...]``).
+    """
+    _check(values, keys, query)
+    logits = depth_logits(keys, query, eps)
+    sdim = 0 if query.dim() == 1 else 1
+    lse = torch.logsumexp(logits, dim=sdim)
+    alpha = torch.softmax(logits, dim=sdim)
+    v = torch.stack([x.float() for x in values])  # [S, ..., d]
+    if query.dim() == 1:
+        h = (alpha.unsqueeze(-1) * v).sum(0)
+    else:
+        h = (alpha.unsqueeze(-1) * v.unsqueeze(0)).sum(1)
+    return h.to(values[0].dtype), lse
+
+
+def depth_read(values, keys, query, eps=None) -> torch.Tensor:
+    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` (SPEC §2), in the values' dtype."""
+    return depth_read_with_lse(values, keys, query, eps)[0]
+
+
+def merge_reads(out1, lse1, out2, lse2):
+    """Exact merge of two disjoint reads by their LSEs (SPEC §7, online-softmax rule).
+
+    ``m = max(m1, m2); Z = e^{m1-m} + e^{m2-m}; o = (e^{m1-m} o1 + e^{m2-m} o2) / Z``, with
+    ``lse_i = log Z_i`` so the ``Z_i`` factors are already inside the exponent. Returns
+    ``(out, lse)`` with out in ``out1``'s dtype and lse fp32.
+    """
+    lse1, lse2 = lse1.float(), lse2.float()
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    z = w1 + w2
+    out = (w1.unsqueeze(-1) * out1.float() + w2.unsqueeze(-1) * out2.float()) / z.unsqueeze(-1)
+    return out.to(out1.dtype), m + torch.log(z)
+
+
+def depth_read_two_phase(values, keys, query, split: int, eps=None):
+    """The same read computed in two phases: sources ``[:split]`` then ``[split:]``, merged."""
+    if not 0 < split < len(values):
+        raise ValueError(f"split must be in [1, {len(values) - 1}], got {split}")
+    o1, l1 = depth_read_with_lse(values[:split], keys[:split], query, eps)
+    o2, l2 = depth_read_with_lse(values[split:], keys[split:], query, eps)
+    return merge_reads(o1.float(), l1, o2.float(), l2)[0].to(values[0].dtype)
+
+
+__all__ = [
+    "DEFAULT_EPS",
+    "key_rmsnorm",
+    "sliced_keys",
+    "depth_logits",
+    "depth_read",
+    "depth_read_with_lse",
+    "merge_reads",
+    "depth_read_two_phase",
+]

@@ -1,0 +1,74 @@
+"""Depth-source schedule of LR-AttnRes (SPEC §3): block ends and source counts.
+
+Sublayers are numbered j = 1..M (M = 2L; odd j = attention, even j = MLP). Read site t in 0..M
+produces the input of sublayer t+1; site M is the final read.
+"""
+
+from __future__ import annotations
+
+
+
+def block_ends(num_sublayers: int, num_blocks: int) -> list[int]:
+    """Block ends ``E = {ceil(M·i/N) : i = 1..N}`` in SUBLAYER units, strictly increasing, last = M."""
+    if num_sublayers < 1:
+        raise ValueError(f"num_sublayers must be >= 1, got {num_sublayers}")
+    if not 1 <= num_blocks <= num_sublayers:
+        raise ValueError(f"num_blocks must be in [1, {num_sublayers}] (= 2L), got {num_blocks}")
+    # integer ceil avoids float rounding at large M
+    return [-(-num_sublayers * i // num_blocks) for i in range(1, num_blocks + 1)]
+
+
+def site_sources(t: int, num_sublayers: int, num_blocks: int | None) -> list[tuple[str, int]]:
+    """The source set S_t of read site t, as symbolic names.
+
+    Returns a list of ``(kind, index)``: ``("embedding", 0)``, ``("output", j)`` for Full,
+    ``("block", n)`` for completed block n (1-based) and ``("partial", n)`` for the running sum of
+    the incomplete block n. Order: embedding, then sources in depth order.
+    """
+    if not 0 <= t <= num_sublayers:
+        raise ValueError(f"read site must be in [0, {num_sublayers}], got {t}")
+    sources = [("embedding", 0)]
+    if num_blocks is None:
+        return sources + [("output", j) for j in range(1, t + 1)]
+    ends = block_ends(num_sublayers, num_blocks)
+    completed = sum(1 for e in ends if e <= t)
+    sources += [("block", n) for n in range(1, completed + 1)]
+    start = ends[completed - 1] if completed else 0
+    if t > start:
+        sources.append(("partial", completed + 1))
+    return sources
+
+
+def source_counts(num_layers: int, num_blocks: int | None) -> list[int]:
+    """``|S_t|`` for read sites t = 1..2L (``num_blocks=None`` means Full AttnRes)."""
+    m = 2 * num_layers
+    if num_blocks is None:
+        return [t + 1 for t in range(1, m + 1)]
+    ends = set(block_ends(m, num_blocks))
+    counts, completed, partial = [], 0, False
+    for t in range(1, m + 1):
+        if t in ends:
+            completed, partial = completed + 1, False
+        else:
+            partial = True
+        counts.append(1 + completed + int(partial))
+    return counts
+
+
+def block_of_sublayer(num_sublayers: int, num_blocks: int) -> list[int]:
+    """0-based block index of each sublayer j = 1..M (list index j-1)."""
+    ends = block_ends(num_sublayers, num_blocks)
+    out, n = [], 0
+    for j in range(1, num_sublayers + 1):
+        out.append(n)
+        if j == ends[n]:
+            n += 1
+    return out
+
+
+def max_sources(num_layers: int, num_blocks: int | None) -> int:
+    """Largest source set (the final read): 2L+1 for Full, N+1 for Block."""
+    return 2 * num_layers + 1 if num_blocks is None else num_blocks + 1
+
+
+__all__ = ["block_ends", "site_sources", "source_counts", "block_of_sublayer", "max_sources"]

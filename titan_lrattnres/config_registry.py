@@ -1,0 +1,1 @@
+"""Named experiments for ``--module titan_lrattnres --config NAME`` (see train_configs/)."""

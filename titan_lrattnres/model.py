@@ -1,0 +1,135 @@
+"""LR-AttnRes decoder: 2L residual-writing sublayers and a depth router between them.
+
+``model.layers`` holds the M = 2L sublayers (``"0"`` = attention of layer 1, ``"1"`` = its MLP,
+...), so torchtitan's per-unit activation checkpointing, ``compile(fullgraph=True)`` and FSDP2
+apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced by the depth
+loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
+through the final RMSNorm and the LM head (SPEC §1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from custom_ops.reference import key_rmsnorm
+from titan_lrattnres.depth import DepthRouter
+from titan_lrattnres.flops import routing_flops
+from torchtitan.models.common.attention import AttentionMasksType, GQAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
+from torchtitan.protocols.module import Module
+
+
+class Sublayer(Module):
+    """One residual-writing sublayer j: ``o_j = F_j(RMSNorm(h_{j-1}))``.
+
+    For the projected variant the output projection has d + r rows, one weight ``[W^O; W^K]``;
+    the sublayer returns ``(o_j, RMSNorm(k_j))`` with the key normalised at emission (fp32).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        norm: RMSNorm.Config
+        attention: GQAttention.Config | None = None
+        feed_forward: FeedForward.Config | None = None
+        key_rank: int = 0  # r extra output rows (projected); 0 = none
+        key_eps: float | None = None
+
+    def __init__(self, config: Config):
+        super().__init__()
+        if (config.attention is None) == (config.feed_forward is None):
+            raise ValueError("a Sublayer has exactly one of attention / feed_forward")
+        self.dim = config.dim
+        self.key_rank = config.key_rank
+        self.key_eps = config.key_eps
+        self.norm = config.norm.build()
+        self.attention = config.attention.build() if config.attention is not None else None
+        self.feed_forward = (
+            config.feed_forward.build() if config.feed_forward is not None else None
+        )
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        attention_masks: AttentionMasksType | None,
+        positions: torch.Tensor | None = None,
+    ):
+        x = self.norm(h)
+        if self.attention is not None:
+            y = self.attention(x, attention_masks, positions)
+        else:
+            y = self.feed_forward(x)
+        if not self.key_rank:
+            return y
+        o, k = y.split([self.dim, self.key_rank], dim=-1)
+        return o, key_rmsnorm(k, self.key_eps)
+
+
+class LRAttnResModel(Decoder):
+    """Decoder whose residual stream is replaced by a softmax read across depth."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Decoder.Config):
+        router: DepthRouter.Config
+        hidden_dim: int
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
+            parallelism = config.parallelism
+            for name in ("tensor_parallel", "context_parallel", "pipeline_parallel"):
+                degree = getattr(parallelism, f"{name}_degree")
+                if degree > 1:
+                    raise NotImplementedError(
+                        f"LR-AttnRes supports FSDP / HSDP only; parallelism.{name}_degree="
+                        f"{degree} is not supported (set it to 1)"
+                    )
+            from titan_lrattnres.sharding import set_sharding_config
+
+            set_sharding_config(self)
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            attn = self.first_attention
+            nparams, flops = get_dense_model_nparams_and_flops(
+                model,
+                n_layers=self.num_layers,
+                n_heads=attn.n_heads,
+                head_dims=2 * (self.dim // attn.n_heads),
+                seq_len=seq_len,
+                enable_weight_tying=self.enable_weight_tying,
+            )
+            # 6·params already covers the W^K rows and W_0^K; add the read itself (fwd + bwd).
+            r = self.router
+            read = routing_flops(r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank,
+                                 r.blocks)
+            if r.variant == "projected":
+                read -= 2 * r.rank * (self.num_layers * (self.dim + self.hidden_dim) + self.dim)
+            return nparams, flops + 3 * read
+
+        @property
+        def num_layers(self) -> int:
+            return len(self.layers) // 2
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.router = config.router.build()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_masks: AttentionMasksType | None = None,
+    ):
+        h = self.tok_embeddings(tokens)
+        state = self.router.start(h)
+        for j, layer in enumerate(self.layers.values(), start=1):
+            h = self.router.step(state, j, layer(h, attention_masks, positions))
+        h = self.norm(h)
+        if self._skip_lm_head:
+            return h
+        return self.lm_head(h)
