@@ -1,0 +1,149 @@
+"""Public depth-read API (SPEC §2, §7). Shapes and dtypes follow ``custom_ops.reference``.
+
+``backend``: ``"reference"`` (eager reference, plain autograd), ``"compiled"`` (the
+``lrattnres::`` ops with the plain-PyTorch kernel), ``"triton"`` (the ops with the Triton kernels;
+CPU tensors need ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA tensors, compiled elsewhere).
+``keys=None`` (or ``partial_key=None``) means sliced keys: the last ``r = query.shape[-1]`` dims of
+each value, read in place, never copied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from custom_ops import ops, reference
+from custom_ops.reference import DEFAULT_EPS
+
+BACKENDS = ops.BACKENDS
+
+
+def _backend(backend: str, like: torch.Tensor) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if like.is_cuda else "compiled"
+    return backend
+
+
+def _eps(eps: float | None) -> float:
+    return DEFAULT_EPS if eps is None else float(eps)
+
+
+def _validate(values, keys, query, query_dim: int):
+    if len(values) == 0:
+        raise ValueError("depth_read needs at least one source")
+    if query.dim() != query_dim:
+        want = "[r]" if query_dim == 1 else "[c, r]"
+        raise ValueError(f"query must be {want}, got shape {tuple(query.shape)}")
+    if query.shape[-1] < 1:
+        raise ValueError("query rank r must be >= 1")
+    v0 = values[0]
+    if v0.dim() < 1:
+        raise ValueError("values must have a feature dim [..., d]")
+    for i, v in enumerate(values):
+        if v.dtype != v0.dtype or v.device != v0.device:
+            raise ValueError(
+                f"value {i} is {v.dtype} on {v.device}, value 0 is {v0.dtype} on {v0.device}"
+            )
+    if keys is None:
+        r, d = query.shape[-1], v0.shape[-1]
+        if r > d:
+            raise ValueError(f"sliced keys need rank r <= d, got r={r}, d={d}")
+        keys = reference.sliced_keys(values, r)
+    else:
+        for i, k in enumerate(keys):
+            if k.device != v0.device:
+                raise ValueError(f"key {i} is on {k.device}, values on {v0.device}")
+    reference._check(values, keys, query)
+    if query.device != v0.device:
+        raise ValueError(f"query is on {query.device}, values on {v0.device}")
+    return keys
+
+
+def depth_read_lse(
+    values: Sequence[torch.Tensor],
+    keys: Sequence[torch.Tensor] | None,
+    query: torch.Tensor,
+    eps: float | None = None,
+    *,
+    backend: str = "auto",
+):
+    """``(h [..., d] values dtype, lse [...] fp32)`` of one read site with query ``[r]``."""
+    values = list(values)
+    keys = None if keys is None else list(keys)
+    ref_keys = _validate(values, keys, query, 1)
+    impl = _backend(backend, values[0])
+    if impl == "reference":
+        return reference.depth_read_with_lse(values, ref_keys, query, eps)
+    if keys is None:
+        return torch.ops.lrattnres.depth_read_sliced(values, query, _eps(eps), impl)
+    return torch.ops.lrattnres.depth_read(values, keys, query, _eps(eps), impl)
+
+
+def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch.Tensor:
+    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in the values' dtype (SPEC §2)."""
+    return depth_read_lse(values, keys, query, eps, backend=backend)[0]
+
+
+def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
+    """Phase 1 of SPEC §7: a query bank ``[c, r]`` against the completed sources.
+
+    Each source is read once for all c read sites. Returns ``(out [c, ..., d] FP32, lse [c, ...]
+    fp32)``; out is kept in fp32 (not the values' dtype) so the phase-2 merge loses nothing.
+    """
+    values = list(values)
+    keys = None if keys is None else list(keys)
+    ref_keys = _validate(values, keys, queries, 2)
+    impl = _backend(backend, values[0])
+    if impl == "reference":
+        return reference.depth_read_with_lse([v.float() for v in values], ref_keys, queries, eps)
+    if keys is None:
+        return torch.ops.lrattnres.block_read_sliced(values, queries, _eps(eps), impl)
+    return torch.ops.lrattnres.block_read(values, keys, queries, _eps(eps), impl)
+
+
+def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):
+    pk = partial_key
+    if pk is None:
+        pk = reference.sliced_keys([partial_value], query.shape[-1])[0]
+    logit = reference.depth_logits([pk], query, eps)[0]
+    h = reference.merge_reads(out1.float(), lse1, partial_value.float(), logit)[0]
+    h = h.to(partial_value.dtype)
+    if not emit_norm:
+        return h
+    return h, reference.key_rmsnorm(h, DEFAULT_EPS).to(h.dtype)
+
+
+def merge_partial(
+    out1: torch.Tensor,
+    lse1: torch.Tensor,
+    partial_value: torch.Tensor,
+    partial_key: torch.Tensor | None,
+    query: torch.Tensor,
+    eps: float | None = None,
+    *,
+    emit_norm: bool = False,
+    backend: str = "auto",
+):
+    """Phase 2 of SPEC §7: merge one site's phase-1 ``(out1 [..., d], lse1 [...])`` with the live
+    partial source ``partial_value [..., d]`` (key ``partial_key [..., r]``, or None = sliced tail).
+
+    Returns h ``[..., d]`` in partial_value's dtype, or ``(h, RMSNorm(h))`` when ``emit_norm``
+    (parameter-free, eps = finfo(fp32).eps, computed in fp32, returned in h's dtype).
+    """
+    if out1.shape != partial_value.shape:
+        raise ValueError(
+            f"out1 has shape {tuple(out1.shape)}, partial_value {tuple(partial_value.shape)}"
+        )
+    if lse1.shape != out1.shape[:-1]:
+        raise ValueError(f"lse1 has shape {tuple(lse1.shape)}, expected {tuple(out1.shape[:-1])}")
+    _validate([partial_value], None if partial_key is None else [partial_key], query, 1)
+    impl = _backend(backend, partial_value)
+    if impl == "reference":
+        return _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm)
+    h, norm = torch.ops.lrattnres.merge_partial(
+        out1, lse1, partial_value, partial_key, query, _eps(eps), emit_norm, impl
+    )
+    return (h, norm) if emit_norm else h
