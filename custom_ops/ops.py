@@ -51,11 +51,11 @@ def _composite(fn, device: torch.device):
     return _compiled(fn) if device.type == "cuda" else fn
 
 
-def _read_fwd(values, keys, queries, eps, impl):
+def _read_fwd(values, keys, queries, eps, impl, out_dtype):
     if impl == "triton":
         from custom_ops.kernels import read_fwd
 
-        return read_fwd.read_fwd(values, keys, queries, eps)
+        return read_fwd.read_fwd(values, keys, queries, eps, out_dtype)
     return _composite(composite.read_fwd, queries.device)(values, keys, queries, eps)
 
 
@@ -85,7 +85,8 @@ def _read_op(name: str, sliced: bool, bank: bool):
 
     def run(values, keys, query, eps, impl):
         queries = query if bank else query.unsqueeze(0)
-        out, lse = _read_fwd(values, None if sliced else keys, queries, eps, impl)
+        out_dtype = torch.float32 if bank else values[0].dtype
+        out, lse = _read_fwd(values, None if sliced else keys, queries, eps, impl, out_dtype)
         if bank:
             return _fresh(out, torch.float32), _fresh(lse, torch.float32)
         return _fresh(out[0], values[0].dtype), _fresh(lse[0], torch.float32)

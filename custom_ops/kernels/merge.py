@@ -1,0 +1,279 @@
+"""Phase-2 merge (SPEC §7) of a phase-1 read with the live partial source, and its backward.
+
+Per token: ``ℓ = <q, RMSNorm(k_p)>``, ``w1 = σ(lse1 - ℓ)``, ``w2 = 1 - w1`` (the online-softmax
+rule with ``lse1 = log Z1``), ``h = w1·out1 + w2·v_p`` rounded to v_p's dtype, and optionally the
+parameter-free ``RMSNorm(h)`` of the rounded h for the next sublayer (eps = finfo(fp32).eps).
+A program owns BLOCK_T tokens and loops over d tiles; with the norm, h is re-read from cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.kernels import common
+
+NORM_EPS = torch.finfo(torch.float32).eps
+
+
+@triton.jit
+def _partial_logit(
+    PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
+):
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    dot = tl.zeros([BLOCK_T], tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        k = tl.load(
+            PK + offs_t[:, None] * pk_stride + offs_r[None, :],
+            mask=mask_t[:, None] & mask_r[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        sumsq += tl.sum(k * k, axis=1)
+        dot += tl.sum(k * q[None, :], axis=1)
+    rstd = tl.rsqrt(sumsq / R + eps)
+    return dot * rstd, rstd
+
+
+@triton.jit
+def _merge_fwd_kernel(
+    OUT1,  # [T, D] phase-1 output, contiguous, any float dtype
+    LSE1,  # [T] fp32 phase-1 log-sum-exp
+    PV,  # [T, D] partial value, row stride pv_stride
+    PK,  # [T, R] partial key, row stride pk_stride (for sliced keys: PV's tail view)
+    Q,  # [R] query
+    H,  # [T, D] output h in PV's dtype, contiguous
+    NORM,  # [T, D] output RMSNorm(h), contiguous (unused unless EMIT_NORM)
+    pv_stride,
+    pk_stride,
+    T,
+    D,
+    R,
+    eps,
+    norm_eps,
+    EMIT_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    mask_t = offs_t < T
+    logit, _ = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
+    lse1 = tl.load(LSE1 + offs_t, mask=mask_t, other=0.0)
+    m = tl.maximum(lse1, logit)
+    w1, w2 = tl.exp(lse1 - m), tl.exp(logit - m)
+    w1, w2 = w1 / (w1 + w2), w2 / (w1 + w2)
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = mask_t[:, None] & (offs_d < D)[None, :]
+        o1 = tl.load(OUT1 + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(PV + offs_t[:, None] * pv_stride + offs_d[None, :], mask=mask, other=0.0)
+        h = (w1[:, None] * o1.to(tl.float32) + w2[:, None] * v.to(tl.float32)).to(
+            H.dtype.element_ty
+        )
+        tl.store(H + offs_t[:, None] * D + offs_d[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, axis=1)
+    if EMIT_NORM:
+        tl.debug_barrier()
+        hrstd = tl.rsqrt(sumsq / D + norm_eps)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask = mask_t[:, None] & (offs_d < D)[None, :]
+            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
+            y = h.to(tl.float32) * hrstd[:, None]
+            tl.store(
+                NORM + offs_t[:, None] * D + offs_d[None, :], y.to(NORM.dtype.element_ty), mask=mask
+            )
+
+
+@triton.jit
+def _merge_bwd_kernel(
+    OUT1,  # [T, D] phase-1 output, contiguous
+    LSE1,  # [T] fp32
+    PV,  # [T, D] partial value, row stride pv_stride
+    PK,  # [T, R] partial key, row stride pk_stride (PV's tail view if SLICED)
+    Q,  # [R] query
+    H,  # [T, D] saved output h, contiguous
+    DH,  # [T, D] grad of h, contiguous
+    DN,  # [T, D] grad of RMSNorm(h), contiguous (unused unless HAS_NORM)
+    DOUT1,  # [T, D] out: grad of out1 (OUT1's dtype)
+    DLSE1,  # [T] out: grad of lse1 (fp32)
+    DPV,  # [T, D] out: grad of the partial value (+ key grad in the tail if SLICED)
+    DPK,  # [T, R] out: grad of the partial key (unused if SLICED)
+    DQ,  # [P, R] fp32 out: per-program partial dq, zero-initialised
+    pv_stride,
+    pk_stride,
+    T,
+    D,
+    R,
+    eps,
+    norm_eps,
+    HAS_NORM: tl.constexpr,
+    SLICED: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    mask_t = offs_t < T
+    logit, rstd = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
+    lse1 = tl.load(LSE1 + offs_t, mask=mask_t, other=0.0)
+    m = tl.maximum(lse1, logit)
+    w1, w2 = tl.exp(lse1 - m), tl.exp(logit - m)
+    w1, w2 = w1 / (w1 + w2), w2 / (w1 + w2)
+    hrstd = tl.zeros([BLOCK_T], tl.float32)
+    cy = tl.zeros([BLOCK_T], tl.float32)
+    if HAS_NORM:
+        sumsq = tl.zeros([BLOCK_T], tl.float32)
+        gyh = tl.zeros([BLOCK_T], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask = mask_t[:, None] & (offs_d < D)[None, :]
+            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            sumsq += tl.sum(h * h, axis=1)
+            gyh += tl.sum(gy * h, axis=1)
+        hrstd = tl.rsqrt(sumsq / D + norm_eps)
+        cy = gyh * hrstd * hrstd * hrstd / D  # rstd²·mean(gy·y): dh += rstd·gy - h·cy
+    dw1 = tl.zeros([BLOCK_T], tl.float32)
+    dw2 = tl.zeros([BLOCK_T], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask = mask_t[:, None] & (offs_d < D)[None, :]
+        dh = tl.load(DH + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        if HAS_NORM:
+            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            dh += hrstd[:, None] * gy - h * cy[:, None]
+        o1 = tl.load(OUT1 + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        v = tl.load(PV + offs_t[:, None] * pv_stride + offs_d[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        dw1 += tl.sum(dh * o1, axis=1)
+        dw2 += tl.sum(dh * v, axis=1)
+    big_d = w1 * dw1 + w2 * dw2
+    tl.store(DLSE1 + offs_t, w1 * (dw1 - big_d), mask=mask_t)
+    dlogit = w2 * (dw2 - big_d)
+    g = dlogit * logit * rstd / R
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        mask = mask_t[:, None] & mask_d[None, :]
+        dh = tl.load(DH + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+            tl.float32
+        )
+        if HAS_NORM:
+            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+            dh += hrstd[:, None] * gy - h * cy[:, None]
+        tl.store(
+            DOUT1 + offs_t[:, None] * D + offs_d[None, :],
+            (w1[:, None] * dh).to(DOUT1.dtype.element_ty),
+            mask=mask,
+        )
+        dv = w2[:, None] * dh
+        if SLICED:
+            offs_j = offs_d - (D - R)
+            mask_j = mask_d & (offs_j >= 0)
+            k = tl.load(
+                PV + offs_t[:, None] * pv_stride + offs_d[None, :],
+                mask=mask_t[:, None] & mask_j[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            q = tl.load(Q + offs_j, mask=mask_j, other=0.0).to(tl.float32)
+            dk = (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
+            dv += tl.where(mask_j[None, :], dk, 0.0)
+            dq = tl.sum((dlogit * rstd)[:, None] * k, axis=0)
+            tl.store(DQ + pid * R + offs_j, dq, mask=mask_j)
+        tl.store(
+            DPV + offs_t[:, None] * D + offs_d[None, :], dv.to(DPV.dtype.element_ty), mask=mask
+        )
+    if not SLICED:
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            mask = mask_t[:, None] & mask_r[None, :]
+            k = tl.load(
+                PK + offs_t[:, None] * pk_stride + offs_r[None, :], mask=mask, other=0.0
+            ).to(tl.float32)
+            q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+            dk = (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
+            tl.store(
+                DPK + offs_t[:, None] * R + offs_r[None, :], dk.to(DPK.dtype.element_ty), mask=mask
+            )
+            tl.store(
+                DQ + pid * R + offs_r, tl.sum((dlogit * rstd)[:, None] * k, axis=0), mask=mask_r
+            )
+
+
+def _views(out1, lse1, partial_value, partial_key, rank):
+    d = partial_value.shape[-1]
+    pv = common.rows(partial_value)
+    pk = pv[:, d - rank :] if partial_key is None else common.rows(partial_key)
+    o1 = out1.reshape(-1, d).contiguous()
+    return o1, lse1.reshape(-1).float().contiguous(), pv, pk
+
+
+def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
+    """Triton forward of ``composite.merge_fwd`` (same arguments and results)."""
+    rank, shape, d = query.shape[-1], partial_value.shape, partial_value.shape[-1]
+    o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
+    t = pv.shape[0]
+    h = torch.empty((t, d), dtype=pv.dtype, device=pv.device)
+    norm = torch.empty_like(h) if emit_norm else h.new_empty(0)
+    _, bt, bd, br, warps = common.blocks(1, d, rank)
+    _merge_fwd_kernel[(triton.cdiv(t, bt),)](
+        o1, l1, pv, pk, query.contiguous(), h, norm if emit_norm else h,
+        pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS,
+        EMIT_NORM=emit_norm, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    )  # fmt: skip
+    return h.view(shape), (norm.view(shape) if emit_norm else norm)
+
+
+def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float):
+    """Triton backward of ``composite.merge_bwd``; gradients in their tensors' dtypes (dq fp32)."""
+    rank, d = query.shape[-1], partial_value.shape[-1]
+    o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
+    t, dev = pv.shape[0], pv.device
+    has_norm = grad_norm is not None and grad_norm.numel() > 0
+    dh = torch.zeros_like(o1) if grad_h is None else grad_h.reshape(t, d).contiguous()
+    dn = grad_norm.reshape(t, d).contiguous() if has_norm else dh
+    d_out1 = torch.empty((t, d), dtype=out1.dtype, device=dev)
+    d_lse1 = torch.empty((t,), dtype=torch.float32, device=dev)
+    d_pv = torch.empty((t, d), dtype=pv.dtype, device=dev)
+    d_pk = None if partial_key is None else torch.empty((t, rank), dtype=pk.dtype, device=dev)
+    _, bt, bd, br, warps = common.blocks(1, d, rank)
+    programs = triton.cdiv(t, bt)
+    dq = torch.zeros((programs, rank), dtype=torch.float32, device=dev)
+    _merge_bwd_kernel[(programs,)](
+        o1, l1, pv, pk, query.contiguous(), h.reshape(t, d).contiguous(), dh, dn,
+        d_out1, d_lse1, d_pv, d_pv if d_pk is None else d_pk, dq,
+        pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS,
+        HAS_NORM=has_norm, SLICED=partial_key is None,
+        BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    )  # fmt: skip
+    shape = partial_value.shape
+    d_pk = None if d_pk is None else d_pk.view(*shape[:-1], rank)
+    return d_out1.view(shape), d_lse1.view(shape[:-1]), d_pv.view(shape), d_pk, dq.sum(0)

@@ -1,0 +1,223 @@
+"""Backward of the depth read: recomputes the routing from the saved log-sum-exp.
+
+A program owns BLOCK_T tokens (all d, looping over d tiles) and walks the sources twice:
+
+    pass 1, per source:  ℓ_{c,s}, rstd_s (key loop), α = e^{ℓ-lse}, dα_{c,s} = <dh_c, v_s>,
+                         Dc += α dα.  (α, dα, ℓ, rstd) go to a small fp32 scratch, O(S) per token.
+    pass 2, per source:  dℓ = α (dα - D + dlse)
+                         dv_s = Σ_c α_c dh_c                 (+ dk in the tail if sliced)
+                         dk_s = rstd (Σ_c dℓ_c q_c - k_s rstd Σ_c dℓ_c ℓ_c / r)  (RMSNorm bwd)
+                         dq_c += Σ_tokens dℓ_c rstd k_s     (per-program partial, summed after)
+
+Sources are read twice in total (values once in pass 1, keys again in pass 2), no fp32 copy of
+any source is stored. Bytes per token ≈ (2S+1)·d·size + 2·S·r·size + O(S) fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.kernels import common
+
+
+@triton.jit
+def _read_bwd_kernel(
+    TABLE,  # int64 [4, S]: value ptrs, value row strides, key ptrs, key row strides (elements)
+    GTABLE,  # int64 [2, S]: grad value ptrs ([T, D] contiguous), grad key ptrs ([T, R] contiguous)
+    V0,  # [T, D] source 0, element-type carrier for values
+    K0,  # [T, R] key 0 (V0 if sliced), element-type carrier for keys
+    GV0,  # [T, D] grad of value 0, element-type carrier for value grads
+    GK0,  # [T, R] grad of key 0 (GV0 if sliced), element-type carrier for key grads
+    Q,  # [NC, R] query bank, contiguous
+    LSE,  # [NC, T] fp32 saved log-sum-exp
+    DOUT,  # [NC, T, D] grad of the output, contiguous, any float dtype
+    DLSE,  # [NC, T] fp32 grad of the lse
+    SCRATCH,  # [S, 3, NC, T] fp32 (α, dα, ℓ) written in pass 1, read in pass 2
+    RSTD,  # [S, T] fp32 key rstd, written in pass 1
+    DQ,  # [P, NC, R] fp32 zero-initialised per-program partial dq (P = number of programs)
+    S,
+    T,
+    D,
+    R,
+    NC,
+    eps,
+    SLICED: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_t, mask_c = offs_t < T, offs_c < NC
+    ct = offs_c[:, None] * T + offs_t[None, :]
+    mask_ct = mask_c[:, None] & mask_t[None, :]
+    lse = tl.load(LSE + ct, mask=mask_ct, other=0.0)
+    big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+
+    for s in range(S):
+        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
+        v_stride = tl.load(TABLE + S + s)
+        k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
+        k_stride = tl.load(TABLE + 3 * S + s)
+        sumsq = tl.zeros([BLOCK_T], tl.float32)
+        dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            k = tl.load(
+                k_ptr + offs_t[:, None] * k_stride + offs_r[None, :],
+                mask=mask_t[:, None] & mask_r[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            q = tl.load(
+                Q + offs_c[:, None] * R + offs_r[None, :],
+                mask=mask_c[:, None] & mask_r[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            sumsq += tl.sum(k * k, axis=1)
+            dot += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        rstd = tl.rsqrt(sumsq / R + eps)
+        logit = dot * rstd[None, :]
+        alpha = tl.exp(logit - lse)
+        dalpha = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            v = tl.load(
+                v_ptr + offs_t[:, None] * v_stride + offs_d[None, :],
+                mask=mask_t[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dh = tl.load(
+                DOUT + ct[:, :, None] * D + offs_d[None, None, :],
+                mask=mask_ct[:, :, None] & mask_d[None, None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dalpha += tl.sum(dh * v[None, :, :], axis=2)
+        big_d += alpha * dalpha
+        base = SCRATCH + s * 3 * NC * T
+        tl.store(base + ct, alpha, mask=mask_ct)
+        tl.store(base + NC * T + ct, dalpha, mask=mask_ct)
+        tl.store(base + 2 * NC * T + ct, logit, mask=mask_ct)
+        tl.store(RSTD + s * T + offs_t, rstd, mask=mask_t)
+
+    # pass 2 reads scratch written by other threads of this program
+    tl.debug_barrier()
+    dlse = tl.load(DLSE + ct, mask=mask_ct, other=0.0)
+    dq_base = DQ + pid * NC * R
+    for s in range(S):
+        base = SCRATCH + s * 3 * NC * T
+        alpha = tl.load(base + ct, mask=mask_ct, other=0.0)
+        dalpha = tl.load(base + NC * T + ct, mask=mask_ct, other=0.0)
+        logit = tl.load(base + 2 * NC * T + ct, mask=mask_ct, other=0.0)
+        rstd = tl.load(RSTD + s * T + offs_t, mask=mask_t, other=0.0)
+        dlogit = alpha * (dalpha - big_d + dlse)
+        # Σ_c dℓ_c ℓ_c · rstd / r: the k-proportional term of the RMSNorm backward
+        g = tl.sum(dlogit * logit, axis=0) * rstd / R
+        gv_ptr = tl.load(GTABLE + s).to(tl.pointer_type(GV0.dtype.element_ty))
+        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
+        v_stride = tl.load(TABLE + S + s)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            mask_td = mask_t[:, None] & mask_d[None, :]
+            dh = tl.load(
+                DOUT + ct[:, :, None] * D + offs_d[None, None, :],
+                mask=mask_ct[:, :, None] & mask_d[None, None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dv = tl.sum(alpha[:, :, None] * dh, axis=0)
+            if SLICED:
+                offs_j = offs_d - (D - R)
+                mask_j = mask_d & (offs_j >= 0)
+                k = tl.load(
+                    v_ptr + offs_t[:, None] * v_stride + offs_d[None, :],
+                    mask=mask_t[:, None] & mask_j[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                q = tl.load(
+                    Q + offs_c[:, None] * R + offs_j[None, :],
+                    mask=mask_c[:, None] & mask_j[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
+                dk = rstd[:, None] * dkbar - k * (rstd * g)[:, None]
+                dv += tl.where(mask_j[None, :], dk, 0.0)
+                dq = tl.sum(dlogit[:, :, None] * (k * rstd[:, None])[None, :, :], axis=1)
+                dq_ptrs = dq_base + offs_c[:, None] * R + offs_j[None, :]
+                mask_cj = mask_c[:, None] & mask_j[None, :]
+                tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cj, other=0.0) + dq, mask=mask_cj)
+            tl.store(
+                gv_ptr + offs_t[:, None] * D + offs_d[None, :],
+                dv.to(GV0.dtype.element_ty),
+                mask=mask_td,
+            )
+        if not SLICED:
+            k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
+            k_stride = tl.load(TABLE + 3 * S + s)
+            gk_ptr = tl.load(GTABLE + S + s).to(tl.pointer_type(GK0.dtype.element_ty))
+            for r0 in range(0, R, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                mask_r = offs_r < R
+                mask_tr = mask_t[:, None] & mask_r[None, :]
+                k = tl.load(
+                    k_ptr + offs_t[:, None] * k_stride + offs_r[None, :], mask=mask_tr, other=0.0
+                ).to(tl.float32)
+                q = tl.load(
+                    Q + offs_c[:, None] * R + offs_r[None, :],
+                    mask=mask_c[:, None] & mask_r[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
+                dk = rstd[:, None] * dkbar - k * (rstd * g)[:, None]
+                tl.store(
+                    gk_ptr + offs_t[:, None] * R + offs_r[None, :],
+                    dk.to(GK0.dtype.element_ty),
+                    mask=mask_tr,
+                )
+                dq = tl.sum(dlogit[:, :, None] * (k * rstd[:, None])[None, :, :], axis=1)
+                dq_ptrs = dq_base + offs_c[:, None] * R + offs_r[None, :]
+                mask_cr = mask_c[:, None] & mask_r[None, :]
+                tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cr, other=0.0) + dq, mask=mask_cr)
+
+
+def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None):
+    """Triton backward of ``composite.read_bwd`` (same arguments and result layout).
+
+    Gradients come back in the dtype of the tensor they belong to (values, keys), dq in fp32.
+    """
+    lead, d = values[0].shape[:-1], values[0].shape[-1]
+    nc, rank = queries.shape
+    dev = queries.device
+    v2 = [common.rows(v) for v in values]
+    k2 = None if keys is None else [common.rows(k) for k in keys]
+    t, n = v2[0].shape[0], len(v2)
+    if grad_out is None:
+        grad_out = torch.zeros((nc, t, d), dtype=torch.float32, device=dev)
+    if grad_lse is None:
+        grad_lse = torch.zeros((nc, t), dtype=torch.float32, device=dev)
+    dout = grad_out.reshape(nc, t, d).contiguous()
+    dlse = grad_lse.reshape(nc, t).float().contiguous()
+    lse2 = lse.reshape(nc, t).float().contiguous()
+    gv = [torch.empty((t, d), dtype=values[0].dtype, device=dev) for _ in range(n)]
+    gk = None if k2 is None else [torch.empty((t, rank), dtype=k.dtype, device=dev) for k in k2]
+    gtable = common.pointer_table(gv + (gv if gk is None else gk), dev)
+    table = common.source_table(v2, k2, rank, dev)
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget)
+    programs = triton.cdiv(t, bt)
+    scratch = torch.empty((n, 3, nc, t), dtype=torch.float32, device=dev)
+    rstd = torch.empty((n, t), dtype=torch.float32, device=dev)
+    dq = torch.zeros((programs, nc, rank), dtype=torch.float32, device=dev)
+    _read_bwd_kernel[(programs,)](
+        table, gtable, v2[0], v2[0] if k2 is None else k2[0], gv[0], gv[0] if gk is None else gk[0],
+        queries.contiguous(), lse2, dout, dlse, scratch, rstd, dq,
+        n, t, d, rank, nc, eps,
+        SLICED=k2 is None, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    )  # fmt: skip
+    grad_values = [g.view(*lead, d) for g in gv]
+    grad_keys = None if gk is None else [g.view(*lead, rank) for g in gk]
+    return grad_values, grad_keys, dq.sum(0)

@@ -1,0 +1,121 @@
+"""Forward depth read over a query bank: one fused pass, each source read once per d tile.
+
+For a block of BLOCK_T tokens and a tile of BLOCK_D value columns, a program walks the S sources:
+
+    k̄_s = k_s · rsqrt(mean(k_s²) + eps)        (key loop over r tiles, fp32)
+    ℓ_{c,s} = <q_c, k̄_s>                        for every query c of the bank
+    online softmax: m ← max(m, ℓ), acc ← acc·e^{m_old-m} + e^{ℓ-m} v_s, z likewise
+
+then writes ``out = acc / z`` and (d tile 0 only) ``lse = m + log z``. All arithmetic is fp32.
+When d fits one tile (d <= 4096 on GPU) each source is read from memory exactly once; the sliced
+key is the value's own tail, re-read from cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from custom_ops.kernels import common
+
+
+@triton.jit
+def _read_fwd_kernel(
+    TABLE,  # int64 [4, S]: value ptrs, value row strides, key ptrs, key row strides (elements)
+    V0,  # [T, D] source 0, only its element type is used (all sources share it)
+    K0,  # [T, R] key 0 (or V0 for sliced keys), only its element type is used
+    Q,  # [NC, R] query bank, contiguous, any float dtype
+    OUT,  # [NC, T, D] output, contiguous
+    LSE,  # [NC, T] fp32 log-sum-exp, contiguous
+    S,
+    T,
+    D,
+    R,
+    NC,
+    eps,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, BLOCK_C)
+    mask_t, mask_d, mask_c = offs_t < T, offs_d < D, offs_c < NC
+    mask_td = mask_t[:, None] & mask_d[None, :]
+
+    m = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
+    z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    acc = tl.zeros([BLOCK_C, BLOCK_T, BLOCK_D], tl.float32)
+    for s in range(S):
+        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
+        v_stride = tl.load(TABLE + S + s)
+        k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
+        k_stride = tl.load(TABLE + 3 * S + s)
+        sumsq = tl.zeros([BLOCK_T], tl.float32)
+        dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < R
+            k = tl.load(
+                k_ptr + offs_t[:, None] * k_stride + offs_r[None, :],
+                mask=mask_t[:, None] & mask_r[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            q = tl.load(
+                Q + offs_c[:, None] * R + offs_r[None, :],
+                mask=mask_c[:, None] & mask_r[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            sumsq += tl.sum(k * k, axis=1)
+            dot += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+        logit = dot * tl.rsqrt(sumsq / R + eps)[None, :]
+        m_new = tl.maximum(m, logit)
+        scale = tl.exp(m - m_new)
+        p = tl.exp(logit - m_new)
+        v = tl.load(
+            v_ptr + offs_t[:, None] * v_stride + offs_d[None, :], mask=mask_td, other=0.0
+        ).to(tl.float32)
+        acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
+        z = z * scale + p
+        m = m_new
+
+    out = acc / z[:, :, None]
+    ct = offs_c[:, None] * T + offs_t[None, :]
+    mask_ct = mask_c[:, None] & mask_t[None, :]
+    tl.store(
+        OUT + ct[:, :, None] * D + offs_d[None, None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=mask_ct[:, :, None] & mask_d[None, None, :],
+    )
+    if pid_d == 0:
+        tl.store(LSE + ct, m + tl.log(z), mask=mask_ct)
+
+
+def read_fwd(values, keys, queries, eps: float, out_dtype=None, block_budget=None):
+    """Triton forward of ``composite.read_fwd``.
+
+    values: S tensors ``[..., d]``; keys: S tensors ``[..., r]`` or None (sliced);
+    queries ``[C, r]``. Returns ``(out [C, ..., d], lse [C, ...] fp32)``, out in ``out_dtype``
+    (default fp32).
+    """
+    lead, d = values[0].shape[:-1], values[0].shape[-1]
+    nc, rank = queries.shape
+    v2 = [common.rows(v) for v in values]
+    k2 = None if keys is None else [common.rows(k) for k in keys]
+    t = v2[0].shape[0]
+    table = common.source_table(v2, k2, rank, values[0].device)
+    q = queries.contiguous()
+    out = torch.empty((nc, t, d), dtype=out_dtype or torch.float32, device=q.device)
+    lse = torch.empty((nc, t), dtype=torch.float32, device=q.device)
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget)
+    grid = (triton.cdiv(t, bt), triton.cdiv(d, bd))
+    _read_fwd_kernel[grid](
+        table, v2[0], v2[0] if k2 is None else k2[0], q, out, lse,
+        len(v2), t, d, rank, nc, eps,
+        BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    )  # fmt: skip
+    return out.view(nc, *lead, d), lse.view(nc, *lead)
