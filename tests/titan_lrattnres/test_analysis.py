@@ -1,0 +1,120 @@
+"""Routing analysis: weights, statistics, heatmap, CLI (SPEC §6)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from titan_lrattnres import analysis
+from titan_lrattnres.inference import build_model, save_safetensors
+
+VARIANTS = [
+    ("attnres", None),
+    ("sliced", 2),
+    ("projected", 3),
+    ("sliced", None),
+]
+
+
+def _model(variant, blocks, queries="random", seed=0):
+    torch.manual_seed(seed)
+    args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16)
+    model = build_model(args, depth_backend="reference")
+    with torch.no_grad():
+        if queries == "random":
+            model.router.query_bank.normal_(0, 2.0)
+        else:
+            model.router.query_bank.zero_()
+    return model, args
+
+
+@pytest.mark.parametrize("variant,blocks", VARIANTS)
+def test_capture_matches_model_and_rows_sum_to_one(variant, blocks):
+    model, _ = _model(variant, blocks)
+    tokens = torch.randint(0, 4096, (2, 11))
+    logits, alphas = analysis.capture_routing(model, tokens)
+    torch.testing.assert_close(logits, model(tokens), rtol=0, atol=0)  # same numerics
+    m = model.router.num_sublayers
+    assert len(alphas) == m
+    n = len(model.router.ends)
+    for t, a in enumerate(alphas, start=1):
+        assert a.shape == (len(analysis.source_labels(t, m, n)), 2, 11)
+        torch.testing.assert_close(a.sum(0), torch.ones(2, 11))
+    # random queries route non-uniformly somewhere
+    assert max((a - 1 / a.shape[0]).abs().max().item() for a in alphas) > 0.05
+
+
+@pytest.mark.parametrize("variant,blocks", VARIANTS)
+def test_zero_queries_are_uniform(variant, blocks):
+    model, _ = _model(variant, blocks, queries="zero")
+    stats, summary = analysis.analyse(model, [torch.randint(0, 4096, (2, 9))])
+    for s in stats:
+        assert s.mean_weight == pytest.approx([1 / s.num_sources] * s.num_sources, abs=1e-6)
+        assert s.norm_entropy == pytest.approx(1.0, abs=1e-6)
+        assert s.eff_sources == pytest.approx(s.num_sources, rel=1e-6)
+        assert s.top1_mass == pytest.approx(1 / s.num_sources, abs=1e-6)
+        assert s.input_dependence == pytest.approx(0.0, abs=1e-7)
+    assert summary["norm_entropy"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_site_stats_on_known_weights():
+    # two tokens: one-hot and uniform over 4 sources
+    a = torch.tensor([[1.0, 0.25], [0.0, 0.25], [0.0, 0.25], [0.0, 0.25]])
+    s = analysis.site_stats(3, a, ["e", "B1", "B2", "P3"])
+    assert s.norm_entropy == pytest.approx(0.5)
+    assert s.eff_sources == pytest.approx((1 + 4) / 2)
+    assert s.top1_mass == pytest.approx((1 + 0.25) / 2)
+    assert s.mean_weight == pytest.approx([0.625, 0.125, 0.125, 0.125])
+    assert s.input_dependence == pytest.approx((0.375 + 3 * 0.125) / 4)
+
+
+def test_source_labels_follow_schedule():
+    assert analysis.source_labels(3, 4, 4) == ["e", "o1", "o2", "o3"]
+    assert analysis.source_labels(1, 4, 2) == ["e", "P1"]
+    assert analysis.source_labels(2, 4, 2) == ["e", "B1"]
+    assert analysis.source_labels(3, 4, 2) == ["e", "B1", "P2"]
+
+
+def test_heatmap_and_report(tmp_path):
+    model, _ = _model("sliced", 2)
+    stats, summary = analysis.analyse(model, [torch.randint(0, 4096, (1, 8))] * 2)
+    png = analysis.plot_heatmap(stats, tmp_path / "h.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = analysis.markdown_report(stats, summary)
+    assert md.count("\n| ") >= len(stats) + 2
+    assert math.isfinite(summary["eff_sources"]) and summary["sites"] == len(stats)
+
+
+def test_cli_on_export(tmp_path):
+    model, args = _model("projected", 2)
+    save_safetensors(model, args, tmp_path / "ckpt")
+    rc = analysis.main(
+        [
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(tmp_path / "out"),
+            "--tokens",
+            "64",
+            "--batch",
+            "2",
+            "--seq-len",
+            "16",
+            "--random",
+        ]
+    )
+    assert rc == 0
+    report = json.loads((tmp_path / "out" / "routing.json").read_text())
+    assert report["tokens"] == 64 and len(report["sites"]) == 4
+    assert (tmp_path / "out" / "routing_heatmap.png").stat().st_size > 1000
+
+
+def test_cli_baseline_says_no_routing(tmp_path):
+    model = build_model(dict(flavor="debug", variant="baseline", blocks=None))
+    save_safetensors(model, dict(flavor="debug", variant="baseline", blocks=None), tmp_path / "c")
+    analysis.main(["--checkpoint", str(tmp_path / "c"), "--out", str(tmp_path / "o"), "--random"])
+    report = json.loads((tmp_path / "o" / "routing.json").read_text())
+    assert report["routing"] is None and "no depth routing" in report["note"]
+    with pytest.raises(ValueError, match="no depth routing"):
+        analysis.capture_routing(model, torch.zeros(1, 4, dtype=torch.long))
