@@ -35,7 +35,9 @@ def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], query: 
         if v.shape != shape:
             raise ValueError(f"value {i} has shape {tuple(v.shape)}, expected {tuple(shape)}")
         if k.shape[:-1] != shape[:-1]:
-            raise ValueError(f"key {i} has shape {tuple(k.shape)}, leading dims must be {tuple(shape[:-1])}")
+            raise ValueError(
+                f"key {i} has shape {tuple(k.shape)}, leading dims must be {tuple(shape[:-1])}"
+            )
         if k.shape[-1] != query.shape[-1]:
             raise ValueError(f"key {i} has rank {k.shape[-1]}, query has rank {query.shape[-1]}")
 
@@ -52,7 +54,7 @@ def sliced_keys(values: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]
 
 
 def depth_logits(keys: Sequence[torch.Tensor], query: torch.Tensor, eps: float | None = None):
-    """Routing logits ``[S, ...]`` (fp32) for a single query ``[r]``, or ``[c, S, ...]`` for ``[c, r]``."""
+    """Routing logits (fp32): ``[S, ...]`` for a query ``[r]``, ``[c, S, ...]`` for ``[c, r]``."""
     k = torch.stack([key_rmsnorm(key, eps) for key in keys])  # [S, ..., r]
     q = query.float()
     if q.dim() == 1:

@@ -7,9 +7,8 @@ produces the input of sublayer t+1; site M is the final read.
 from __future__ import annotations
 
 
-
 def block_ends(num_sublayers: int, num_blocks: int) -> list[int]:
-    """Block ends ``E = {ceil(M·i/N) : i = 1..N}`` in SUBLAYER units, strictly increasing, last = M."""
+    """Block ends ``E = {ceil(M·i/N) : i = 1..N}`` in SUBLAYER units; increasing, last = M."""
     if num_sublayers < 1:
         raise ValueError(f"num_sublayers must be >= 1, got {num_sublayers}")
     if not 1 <= num_blocks <= num_sublayers:

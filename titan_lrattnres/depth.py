@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
 
 from custom_ops import reference
 from custom_ops.schedule import block_ends
-from torchtitan.models.common.linear import Linear
-from torchtitan.protocols.module import Module
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
 KEY_SOURCES = {"attnres": "sliced", "sliced": "sliced", "projected": "projected"}

@@ -1,9 +1,9 @@
 """The paper's added-FLOPs accounting (SPEC §5), per token, forward.
 
-    core  = L · (8 d² + 6 d h)                 no attention scores, embedding or LM head
-    read  = 2 (d + r) · Σ_{t=1..M} |S_t|       2r logit dot + 2d weighted sum
-    proj  = 2 r · (L (d + h) + d)              projected only: W^K rows + embedding key
-    added % = 100 · (read + proj) / core       standard AttnRes: r = d
+core  = L · (8 d² + 6 d h)                 no attention scores, embedding or LM head
+read  = 2 (d + r) · Σ_{t=1..M} |S_t|       2r logit dot + 2d weighted sum
+proj  = 2 r · (L (d + h) + d)              projected only: W^K rows + embedding key
+added % = 100 · (read + proj) / core       standard AttnRes: r = d
 """
 
 from __future__ import annotations

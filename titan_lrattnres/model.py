@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from custom_ops.reference import key_rmsnorm
-from titan_lrattnres.depth import DepthRouter
-from titan_lrattnres.flops import routing_flops
 from torchtitan.models.common.attention import AttentionMasksType, GQAttention
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.feed_forward import FeedForward
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
+
+from custom_ops.reference import key_rmsnorm
+from titan_lrattnres.depth import DepthRouter
+from titan_lrattnres.flops import routing_flops
 
 
 class Sublayer(Module):
@@ -50,9 +50,7 @@ class Sublayer(Module):
         self.key_eps = config.key_eps
         self.norm = config.norm.build()
         self.attention = config.attention.build() if config.attention is not None else None
-        self.feed_forward = (
-            config.feed_forward.build() if config.feed_forward is not None else None
-        )
+        self.feed_forward = config.feed_forward.build() if config.feed_forward is not None else None
 
     def forward(
         self,
@@ -105,8 +103,9 @@ class LRAttnResModel(Decoder):
             )
             # 6·params already covers the W^K rows and W_0^K; add the read itself (fwd + bwd).
             r = self.router
-            read = routing_flops(r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank,
-                                 r.blocks)
+            read = routing_flops(
+                r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank, r.blocks
+            )
             if r.variant == "projected":
                 read -= 2 * r.rank * (self.num_layers * (self.dim + self.hidden_dim) + self.dim)
             return nparams, flops + 3 * read

@@ -11,10 +11,6 @@ from functools import partial
 
 import torch
 from torch import nn
-
-from titan_lrattnres.depth import BACKENDS, DepthRouter
-from titan_lrattnres.flops import VARIANTS
-from titan_lrattnres.model import LRAttnResModel, Sublayer
 from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -25,6 +21,10 @@ from torchtitan.models.common.config_utils import (
 )
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.protocols.model_spec import ModelSpec
+
+from titan_lrattnres.depth import BACKENDS, DepthRouter
+from titan_lrattnres.flops import VARIANTS
+from titan_lrattnres.model import LRAttnResModel, Sublayer
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,20 @@ class Flavor:
 
 FLAVORS: dict[str, Flavor] = {
     # CPU-sized: seconds per step on 2 cores.
-    "debug": Flavor(dim=64, n_layers=2, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512),
-    "cpu_small": Flavor(dim=128, n_layers=4, n_heads=4, hidden_dim=384, vocab_size=4096,
-                        max_seq_len=1024),
+    "debug": Flavor(
+        dim=64, n_layers=2, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512
+    ),
+    "cpu_small": Flavor(
+        dim=128, n_layers=4, n_heads=4, hidden_dim=384, vocab_size=4096, max_seq_len=1024
+    ),
     # Depth stress test for compile: the paper's depth at a tiny width.
-    "deep_debug": Flavor(dim=64, n_layers=24, n_heads=4, hidden_dim=192, vocab_size=4096,
-                         max_seq_len=512),
+    "deep_debug": Flavor(
+        dim=64, n_layers=24, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512
+    ),
     # SPEC §6: the paper's ~0.5B model (cl100k vocabulary).
-    "paper_0p5b": Flavor(dim=1024, n_layers=24, n_heads=16, hidden_dim=2816, vocab_size=100277,
-                         max_seq_len=2048),
+    "paper_0p5b": Flavor(
+        dim=1024, n_layers=24, n_heads=16, hidden_dim=2816, vocab_size=100277, max_seq_len=2048
+    ),
 }
 
 _INIT = {"weight": partial(nn.init.normal_, std=0.02)}
@@ -77,7 +82,9 @@ def build_model_config(
     _check_choice("variant", variant, VARIANTS)
     _check_choice("depth_backend", depth_backend, BACKENDS)
     d, n_layers, m = flavor.dim, flavor.n_layers, 2 * flavor.n_layers
-    if blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
+    if variant == "baseline":  # no routing: blocks and rank do not apply
+        blocks = None
+    elif blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
         raise ValueError(f"blocks must be None (Full) or an int in [1, {m}] (= 2L), got {blocks!r}")
     r = d if variant == "attnres" else rank
     if variant in ("sliced", "projected") and not (isinstance(rank, int) and 1 <= rank <= d):
@@ -89,7 +96,8 @@ def build_model_config(
         attn_backend = "flex" if torch.cuda.is_available() else "sdpa"
     # SDPA (causal only) is the CPU path: FlexAttention has no CPU backward.
     inner = (
-        ScaledDotProductAttention.Config() if attn_backend == "sdpa"
+        ScaledDotProductAttention.Config()
+        if attn_backend == "sdpa"
         else get_attention_config(attn_backend)
     )
     head_dim = d // flavor.n_heads
@@ -99,25 +107,43 @@ def build_model_config(
     layers = []
     for _ in range(n_layers):
         attention = make_gqa_config(
-            dim=d, n_heads=flavor.n_heads, wqkv_param_init=_INIT, wo_param_init=_INIT,
-            inner_attention=inner, rope=rope, fuse_qkv=True,
+            dim=d,
+            n_heads=flavor.n_heads,
+            wqkv_param_init=_INIT,
+            wo_param_init=_INIT,
+            inner_attention=inner,
+            rope=rope,
+            fuse_qkv=True,
             qk_norm=RMSNorm.Config(normalized_shape=head_dim, elementwise_affine=False),
         )
-        ffn = make_ffn_config(dim=d, hidden_dim=flavor.hidden_dim, w1_param_init=_INIT,
-                              w2w3_param_init=_INIT)
+        ffn = make_ffn_config(
+            dim=d, hidden_dim=flavor.hidden_dim, w1_param_init=_INIT, w2w3_param_init=_INIT
+        )
         if key_rank:  # one fused [W^O; W^K] weight, a torchtitan Linear (float8-convertible)
             attention.wo = Linear.Config(in_features=d, out_features=d + key_rank, param_init=_INIT)
-            ffn.w2 = Linear.Config(in_features=flavor.hidden_dim, out_features=d + key_rank,
-                                   param_init=_INIT)
-        layers.append(Sublayer.Config(dim=d, norm=norm, attention=attention, key_rank=key_rank,
-                                      key_eps=eps))
-        layers.append(Sublayer.Config(dim=d, norm=norm, feed_forward=ffn, key_rank=key_rank,
-                                      key_eps=eps))
+            ffn.w2 = Linear.Config(
+                in_features=flavor.hidden_dim, out_features=d + key_rank, param_init=_INIT
+            )
+        layers.append(
+            Sublayer.Config(dim=d, norm=norm, attention=attention, key_rank=key_rank, key_eps=eps)
+        )
+        layers.append(
+            Sublayer.Config(dim=d, norm=norm, feed_forward=ffn, key_rank=key_rank, key_eps=eps)
+        )
     router = DepthRouter.Config(
-        variant=variant, dim=d, rank=r, num_sublayers=m, blocks=blocks, eps=eps,
-        backend=depth_backend, param_init=_ZERO,
-        embedding_key=(Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
-                       if variant == "projected" else None),
+        variant=variant,
+        dim=d,
+        rank=r,
+        num_sublayers=m,
+        blocks=blocks,
+        eps=eps,
+        backend=depth_backend,
+        param_init=_ZERO,
+        embedding_key=(
+            Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
+            if variant == "projected"
+            else None
+        ),
     )
     return LRAttnResModel.Config(
         dim=d,

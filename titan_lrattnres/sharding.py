@@ -8,7 +8,6 @@ for ours; they are what FSDP2's storage axes unfold from.
 from __future__ import annotations
 
 import spmd_types as spmd
-
 from torchtitan.models.common.decoder_sharding import (
     dense_activation_placement,
     dense_param_placement,

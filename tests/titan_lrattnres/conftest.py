@@ -1,0 +1,26 @@
+import pytest
+import torch
+
+from titan_lrattnres.registry import build_model_config
+
+
+@pytest.fixture
+def build():
+    """Build and initialise a model from build_model_config kwargs, seeded."""
+
+    def _build(flavor="debug", seed=0, dtype=torch.float32, randomize_queries=True, **kwargs):
+        kwargs.setdefault("depth_backend", "reference")
+        torch.manual_seed(seed)
+        model = build_model_config(flavor, **kwargs).build()
+        model.init_states(buffer_device=torch.device("cpu"))
+        if randomize_queries and hasattr(model.router, "query_bank"):
+            # zero-initialised queries make every read a plain mean; test real routing too.
+            # std 1.5/sqrt(r) keeps logits O(1) (|RMSNorm(k)|² = r): sharp but well-conditioned.
+            bank = model.router.query_bank
+            with torch.no_grad():
+                bank.normal_(0, 1.5 / bank.shape[-1] ** 0.5)
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+        return model
+
+    return _build
