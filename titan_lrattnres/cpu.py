@@ -1,0 +1,131 @@
+"""Run torchtitan 0.3.0's Trainer on a machine without an accelerator (CPU + gloo).
+
+The Trainer ships CUDA-only (``tools/utils.py``: ``device_type = ... or "cuda"``). ``apply()``
+installs the patches below, and only when no accelerator is present:
+
+- P1  device type "cpu": ``torch._utils._get_available_device_type`` before torchtitan is
+      imported; if torchtitan is already imported (``python -m torchtitan.train --module
+      titan_lrattnres``), the module-level copies of ``device_type`` / ``device_module`` too.
+      The process group backend then becomes gloo by itself.
+- P2  ``torch.cpu`` stubs that the device-memory monitor calls.
+- P2b ``torch.cpu.current_device`` (barrier(device_ids=[...])).
+- P5  gloo has no PREMUL_SUM: FSDP2 reduces with SUM (same numbers: the divide factor is 1).
+
+No FlexAttention patch is needed: the model uses SDPA on CPU (``attn_backend="auto"``).
+The patches touch torchtitan internals and were written for exactly ``TORCHTITAN_VERSION``.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+import types
+import warnings
+
+import torch
+
+TORCHTITAN_VERSION = "0.3.0"
+
+# Modules that bind ``device_type`` / ``device_module`` by name at import time.
+_NAME_BOUND = (
+    "torchtitan.tools.utils",
+    "torchtitan.components.metrics",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.models.common.token_dispatcher",
+    "torchtitan.tools.profiler",
+)
+_applied = False
+
+
+def has_accelerator() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+def check_torchtitan_version() -> str:
+    """The installed torchtitan version; warns when it is not the one the shim was written for."""
+    try:
+        version = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise RuntimeError("torchtitan is not installed (pip install torchtitan==0.3.0)") from e
+    if version != TORCHTITAN_VERSION:
+        warnings.warn(
+            f"titan_lrattnres.cpu patches torchtitan {TORCHTITAN_VERSION} internals; installed "
+            f"is {version}. CPU training may fail: pin torchtitan=={TORCHTITAN_VERSION}.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return version
+
+
+def _cpu_device_module() -> types.ModuleType:
+    c = torch.cpu
+    c.get_device_name = lambda *a, **k: "cpu"
+    c.get_device_properties = lambda *a, **k: types.SimpleNamespace(
+        total_memory=_total_memory(), name="cpu"
+    )
+    c.reset_peak_memory_stats = lambda *a, **k: None
+    c.empty_cache = lambda *a, **k: None
+    c.memory_stats = lambda *a, **k: {}
+    c.current_device = lambda: 0
+    if not hasattr(c, "set_device"):
+        c.set_device = lambda *a, **k: None
+    return c
+
+
+def _total_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            return int(f.readline().split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 16 * 2**30
+
+
+def _patch_fsdp_sum_reduction() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+    if getattr(original, "_lrattnres_cpu", False):
+        return
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        original(self, factor)
+        self.set_force_sum_reduction_for_comms(True)
+
+    set_gradient_divide_factor._lrattnres_cpu = True
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
+def apply(force: bool = False) -> bool:
+    """Install the CPU patches if no accelerator is present (or ``force``). Idempotent.
+
+    Returns True when the patches are active.
+    """
+    global _applied
+    if _applied:
+        return True
+    if has_accelerator() and not force:
+        return False
+    check_torchtitan_version()
+    torch._utils._get_available_device_type = lambda: "cpu"  # P1
+    device_module = _cpu_device_module()  # P2, P2b
+    for name in _NAME_BOUND:  # P1 for modules imported before us
+        mod = sys.modules.get(name)
+        if mod is None:
+            continue
+        if hasattr(mod, "_get_available_device_type"):
+            mod._get_available_device_type = torch._utils._get_available_device_type
+        if hasattr(mod, "device_type"):
+            mod.device_type = "cpu"
+        if hasattr(mod, "device_module"):
+            mod.device_module = device_module
+    _patch_fsdp_sum_reduction()  # P5
+    _applied = True
+    return True
+
+
+def is_applied() -> bool:
+    return _applied

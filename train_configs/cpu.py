@@ -1,0 +1,93 @@
+"""CPU experiments: minutes on 2 cores, on the embedded stdlib corpus (V=4096).
+
+- ``cpu_smoke``: the ``debug`` flavor, 20 steps, under a minute; checks the whole path.
+- ``cpu_default``: the main job (``make train``): ``cpu_small`` (d128, L4), S-LR Block N=4 r=32,
+  seq 256 x batch 8, 250 steps (512k tokens), AdamW 3e-3 with warmup and linear decay,
+  validation on 40 x 8 x 256 = 82k held-out tokens at the end.
+- ``cpu_default_{baseline,attnres,sliced,projected}``: the same recipe per variant, for
+  comparisons at matched tokens.
+"""
+
+from __future__ import annotations
+
+from train_configs.common import make_config
+
+CPU_VARIANTS = {  # variant -> (blocks, rank) at d=128, M=8 sublayers
+    "baseline": (None, 32),
+    "attnres": (4, 128),
+    "sliced": (4, 32),
+    "projected": (4, 32),
+}
+
+
+def cpu_smoke():
+    return make_config(
+        name="cpu_smoke",
+        flavor="debug",
+        variant="sliced",
+        blocks=2,
+        rank=16,
+        seq_len=128,
+        local_batch_size=4,
+        steps=20,
+        lr=3e-3,
+        warmup_steps=4,
+        decay_ratio=None,
+        min_lr_factor=0.1,
+        val_steps=4,
+        checkpoint_interval=10,
+    )
+
+
+def _cpu_default(variant: str, name: str):
+    blocks, rank = CPU_VARIANTS[variant]
+    return make_config(
+        name=name,
+        flavor="cpu_small",
+        variant=variant,
+        blocks=blocks,
+        rank=rank,
+        seq_len=256,
+        local_batch_size=8,
+        steps=250,
+        lr=3e-3,
+        warmup_steps=25,
+        decay_ratio=None,
+        min_lr_factor=0.1,
+        val_steps=40,
+        checkpoint_interval=100,
+        compile=True,
+    )
+
+
+def cpu_default():
+    return _cpu_default("sliced", "cpu_default")
+
+
+def cpu_default_baseline():
+    return _cpu_default("baseline", "cpu_default_baseline")
+
+
+def cpu_default_attnres():
+    return _cpu_default("attnres", "cpu_default_attnres")
+
+
+def cpu_default_sliced():
+    return _cpu_default("sliced", "cpu_default_sliced")
+
+
+def cpu_default_projected():
+    return _cpu_default("projected", "cpu_default_projected")
+
+
+CONFIGS = {
+    f.__name__: f
+    for f in (
+        cpu_smoke,
+        cpu_default,
+        cpu_default_baseline,
+        cpu_default_attnres,
+        cpu_default_sliced,
+        cpu_default_projected,
+    )
+}

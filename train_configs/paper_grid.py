@@ -1,0 +1,87 @@
+"""The paper's ~0.5B grid (SPEC §6) for GPU clusters, generated programmatically.
+
+Recipe: ``paper_0p5b`` flavor, seq 2048, global batch 128 sequences = 262,144 tokens,
+10B tokens = 38,147 steps, WSD schedule (2,000 warmup steps, last 20% linear decay to 0.1x).
+Optimizer: AdamW everywhere (matrices lr 1e-3 wd 0.1; embeddings, head and queries lr 3e-4,
+no decay); the paper used Muon for matrices, which is not wired up for FSDP2 here.
+No z-loss: torchtitan 0.3.0 has no z-loss option. Dataset and tokenizer are set by the user
+(``--dataloader.dataset hf_text --dataloader.dataset_path ... --hf_assets_path ...``); the
+flavor's vocabulary is cl100k-sized (100,277).
+
+Names: ``paper_baseline``, ``paper_attnres_{full,block4,block8,block16}``,
+``paper_sliced_full_r{16..512}``, ``paper_sliced_block{4,8,16}_r64``,
+``paper_projected_full_r{16,32,64}``, ``paper_projected_block{4,8,16}_r32``.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+from train_configs.common import make_config
+
+SEQ_LEN = 2048
+GLOBAL_BATCH_SEQS = 128  # 262,144 tokens
+TOTAL_TOKENS = 10_000_000_000
+STEPS = -(-TOTAL_TOKENS // (SEQ_LEN * GLOBAL_BATCH_SEQS))  # 38,147
+
+
+def _grid() -> dict[str, tuple[str, int | None, int]]:
+    """name -> (variant, blocks (None = Full), rank)."""
+    g: dict[str, tuple[str, int | None, int]] = {"paper_baseline": ("baseline", None, 64)}
+    for n in (None, 4, 8, 16):
+        g[f"paper_attnres_{'full' if n is None else f'block{n}'}"] = ("attnres", n, 1024)
+    for r in (16, 32, 64, 128, 256, 512):
+        g[f"paper_sliced_full_r{r}"] = ("sliced", None, r)
+    for n in (4, 8, 16):
+        g[f"paper_sliced_block{n}_r64"] = ("sliced", n, 64)
+    for r in (16, 32, 64):
+        g[f"paper_projected_full_r{r}"] = ("projected", None, r)
+    for n in (4, 8, 16):
+        g[f"paper_projected_block{n}_r32"] = ("projected", n, 32)
+    return g
+
+
+GRID = _grid()
+
+
+def paper_config(name: str, local_batch_size: int = 4):
+    variant, blocks, rank = GRID[name]
+    config = make_config(
+        name=name,
+        flavor="paper_0p5b",
+        variant=variant,
+        blocks=blocks,
+        rank=rank,
+        seq_len=SEQ_LEN,
+        local_batch_size=local_batch_size,
+        global_batch_size=GLOBAL_BATCH_SEQS,
+        steps=STEPS,
+        lr=1e-3,
+        lr_embed=3e-4,
+        lr_head=3e-4,
+        lr_query=3e-4,
+        warmup_steps=2000,
+        decay_ratio=0.2,
+        min_lr_factor=0.1,
+        dataset="hf_text",
+        val_dataset="hf_text_val",
+        val_freq=2000,
+        val_steps=100,
+        checkpoint_interval=1000,
+        compile=True,
+        cpu=False,
+        log_freq=10,
+        seed=None,
+    )
+    config.checkpoint.keep_latest_k = 3
+    return config
+
+
+def _named(name: str):
+    f = partial(paper_config, name)
+    f.__name__ = f.__qualname__ = name
+    f.__doc__ = f"SPEC §6 recipe, {GRID[name]} (variant, blocks, rank)."
+    return f
+
+
+CONFIGS = {name: _named(name) for name in GRID}
