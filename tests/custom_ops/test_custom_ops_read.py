@@ -1,0 +1,149 @@
+"""The ``compiled`` (plain-PyTorch) backend of every op, forward and every gradient, against the
+eager reference over hypothesis-generated shapes, ranks, source counts and dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import custom_ops
+from custom_ops import composite, reference
+from tests.custom_ops.cases import ReadCase, grads_of, leaves, make_read, read_cases
+from tests.custom_ops.tolerances import assert_close
+
+BACKEND = "compiled"
+
+
+def check_depth_read(case: ReadCase, backend: str = BACKEND):
+    values, keys, query = make_read(case)
+    inputs = leaves(values, keys, query)
+    got, got_g = grads_of(
+        lambda: custom_ops.depth_read_lse(values, keys, query, backend=backend), inputs, case.seed
+    )
+    ref_keys = keys if keys is not None else reference.sliced_keys(values, case.r)
+    want, want_g = grads_of(
+        lambda: reference.depth_read_with_lse(values, ref_keys, query), inputs, case.seed
+    )
+    assert got[0].dtype == case.dtype and got[1].dtype == torch.float32
+    assert_close("out", got[0], want[0], case.dtype)
+    assert_close("lse", got[1], want[1], torch.float32)
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        assert a.dtype == b.dtype, f"grad {i} dtype {a.dtype} vs {b.dtype}"
+        assert_close(f"grad of input {i}", a, b, case.dtype)
+
+
+def check_block_read(case: ReadCase, n_queries: int, backend: str = BACKEND):
+    values, keys, queries = make_read(case, n_queries)
+    inputs = leaves(values, keys, queries)
+    got, got_g = grads_of(
+        lambda: custom_ops.block_read(values, keys, queries, backend=backend), inputs, case.seed
+    )
+    ref_keys = keys if keys is not None else reference.sliced_keys(values, case.r)
+    fp32 = [v.float() for v in values]
+    assert got[0].dtype == torch.float32
+    for c in range(n_queries):  # phase 1 == c independent single-query reads
+        out, lse = reference.depth_read_with_lse(fp32, ref_keys, queries[c])
+        assert_close(f"out[{c}]", got[0][c], out, torch.float32)
+        assert_close(f"lse[{c}]", got[1][c], lse, torch.float32)
+    want, want_g = grads_of(
+        lambda: reference.depth_read_with_lse(fp32, ref_keys, queries), inputs, case.seed
+    )
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        assert_close(f"grad of input {i}", a, b, case.dtype)
+
+
+def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND):
+    """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read (SPEC §7)."""
+    values, keys, query = make_read(case)
+    inputs = leaves(values, keys, query)
+    done_keys = None if keys is None else keys[:-1]
+    pk = None if keys is None else keys[-1]
+
+    def two_phase():
+        out1, lse1 = custom_ops.block_read(values[:-1], done_keys, query[None], backend=backend)
+        res = custom_ops.merge_partial(
+            out1[0], lse1[0], values[-1], pk, query, emit_norm=emit_norm, backend=backend
+        )
+        return res if emit_norm else (res,)
+
+    def one_pass():
+        ref_keys = keys if keys is not None else reference.sliced_keys(values, case.r)
+        h = reference.depth_read(values, ref_keys, query)
+        return (h, reference.key_rmsnorm(h).to(h.dtype)) if emit_norm else (h,)
+
+    got, got_g = grads_of(two_phase, inputs, case.seed)
+    want, want_g = grads_of(one_pass, inputs, case.seed)
+    assert got[0].dtype == case.dtype
+    assert_close("h", got[0], want[0], case.dtype)
+    if emit_norm:
+        assert got[1].dtype == case.dtype
+        assert_close("RMSNorm(h)", got[1], want[1], case.dtype)
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        assert_close(f"grad of input {i}", a, b, case.dtype)
+
+
+@settings(deadline=None, max_examples=40)
+@given(read_cases())
+def test_depth_read_matches_reference(case):
+    check_depth_read(case)
+
+
+@settings(deadline=None, max_examples=25)
+@given(read_cases(max_sources=12), st.integers(1, 6))
+def test_block_read_matches_per_query_reference(case, n_queries):
+    check_block_read(case, n_queries)
+
+
+@settings(deadline=None, max_examples=25)
+@given(read_cases(max_sources=12).filter(lambda c: c.sources >= 2), st.booleans())
+def test_merge_partial_matches_one_pass_read(case, emit_norm):
+    check_merge_partial(case, emit_norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliced", [True, False])
+def test_129_sources(dtype, sliced):
+    check_depth_read(ReadCase((3,), 9, 4, 129, sliced, dtype, seed=7))
+
+
+def test_single_source_is_identity():
+    case = ReadCase((4,), 33, 5, 1, True, torch.float32, seed=1)
+    values, keys, query = make_read(case)
+    out, lse = custom_ops.depth_read_lse(values, keys, query, backend=BACKEND)
+    torch.testing.assert_close(out, values[0].detach())
+    torch.testing.assert_close(
+        lse, reference.depth_logits(reference.sliced_keys(values, 5), query)[0]
+    )
+
+
+def test_auto_backend_on_cpu_is_compiled():
+    case = ReadCase((2, 5), 33, 8, 4, False, torch.float32, seed=3)
+    values, keys, query = make_read(case)
+    a = custom_ops.depth_read(values, keys, query, backend="auto")
+    b = custom_ops.depth_read(values, keys, query, backend="compiled")
+    assert torch.equal(a, b)
+
+
+def test_composite_never_stacks_values(monkeypatch):
+    def no_stack(*args, **kwargs):
+        raise AssertionError("composite must not torch.stack the sources")
+
+    case = ReadCase((6,), 33, 8, 5, True, torch.float32, seed=2)
+    values, _, query = make_read(case)
+    monkeypatch.setattr(torch, "stack", no_stack)
+    out, lse = composite.read_fwd(values, None, query[None].detach(), 1e-6)
+    composite.read_bwd(values, None, query[None].detach(), lse, torch.ones_like(out), None, 1e-6)
+
+
+def test_eps_is_used():
+    """A huge eps flattens the key norm; the ops must honour the argument, not a constant."""
+    case = ReadCase((5,), 16, 16, 3, False, torch.float32, seed=4)
+    values, keys, query = make_read(case)
+    ref_keys = keys
+    a = custom_ops.depth_read(values, keys, query, eps=10.0, backend=BACKEND)
+    b = reference.depth_read(values, ref_keys, query, eps=10.0)
+    c = reference.depth_read(values, ref_keys, query)
+    assert_close("eps=10", a, b, torch.float32)
+    assert (a - c).abs().max() > 1e-3
