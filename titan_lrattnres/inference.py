@@ -289,3 +289,20 @@ def validation_tokens(jsonl: str | Path, tokenizer: str | Path, max_tokens: int)
             if len(ids) >= max_tokens:
                 break
     return torch.tensor(ids[:max_tokens], dtype=torch.long)
+
+
+# -- exported programs -------------------------------------------------------------------------
+def load_exported(path: str | Path):
+    """A ``torch.export`` program saved by ``titan_lrattnres.export`` as a callable module
+    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first."""
+    ensure_ops_registered()
+    return torch.export.load(str(path)).module()
+
+
+def load_aoti(path: str | Path):
+    """An AOTInductor package saved by ``titan_lrattnres.export`` as a callable
+    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first."""
+    ensure_ops_registered()
+    import torch._inductor
+
+    return torch._inductor.aoti_load_package(str(path))
