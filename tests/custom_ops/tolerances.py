@@ -31,5 +31,6 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, dtype:
     a, e = actual.detach().double(), expected.detach().double()
     diff, bound = (a - e).norm().item(), rel * e.norm().item() + abs_ * e.numel() ** 0.5
     assert diff <= bound, (
-        f"{name}: ||diff|| {diff:.3g} > {bound:.3g} (relative RMS error {rel_rms(a, e):.3g}, {dtype})"
+        f"{name}: ||diff|| {diff:.3g} > {bound:.3g} "
+        f"(relative RMS error {rel_rms(a, e):.3g}, {dtype})"
     )

@@ -1,0 +1,185 @@
+"""Depth-read op benchmark: time, bytes moved by the minimal model, achieved bandwidth.
+
+    python -m benchmarks.ops [--json PATH] [--device cpu|cuda] [--dry-run]
+
+Minimal-bytes model per token (SPEC-free, prior-art §3): forward (S+1)·d·size (read S values,
+write h), backward (2S+1)·d·size (read S values and dh, write S value grads). An op whose
+forward or any gradient disagrees with the eager reference is reported and NOT timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import custom_ops
+
+TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative RMS
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timeit(fn, device, repeat: int, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device, repeat: int = 10, nbytes: int = 1 << 30) -> float:
+    """GB/s of a big device-to-device tensor copy (read + write)."""
+    x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    t = timeit(lambda: y.copy_(x), device, repeat)
+    return 2 * nbytes / t / 1e9
+
+
+def make_inputs(tokens, d, r, sources, sliced, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    vals = [torch.randn(tokens, d, generator=g).to(device, dtype) for _ in range(sources)]
+    keys = None
+    if not sliced:
+        keys = [torch.randn(tokens, r, generator=g).to(device, dtype) for _ in range(sources)]
+    query = torch.randn(r, generator=g).to(device)
+    for t in [*vals, *(keys or []), query]:
+        t.requires_grad_(True)
+    return vals, keys, query
+
+
+def _rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _fwd_bwd(fn, inputs, grad):
+    out = fn()
+    grads = torch.autograd.grad(out, inputs, grad)
+    return out, grads
+
+
+def check(backend, vals, keys, query, grad) -> float:
+    """Largest relative RMS error of out and every gradient vs the reference backend."""
+    inputs = [*vals, *(keys or []), query]
+    ref = _fwd_bwd(
+        lambda: custom_ops.depth_read(vals, keys, query, backend="reference"), inputs, grad
+    )
+    got = _fwd_bwd(lambda: custom_ops.depth_read(vals, keys, query, backend=backend), inputs, grad)
+    errs = [_rel(got[0], ref[0])] + [_rel(a, b) for a, b in zip(got[1], ref[1], strict=True)]
+    return max(errs)
+
+
+def bench_shape(tokens, d, r, sources, sliced, dtype, device, backends, repeat):
+    vals, keys, query = make_inputs(tokens, d, r, sources, sliced, dtype, device)
+    inputs = [*vals, *(keys or []), query]
+    grad = torch.randn(tokens, d, device=device).to(dtype)
+    size = torch.finfo(dtype).bits // 8
+    fwd_bytes = (sources + 1) * d * size * tokens
+    bwd_bytes = (2 * sources + 1) * d * size * tokens
+    rows = []
+    for backend in backends:
+        row = dict(tokens=tokens, d=d, r=r, S=sources, keys="sliced" if sliced else "projected",
+                   dtype=str(dtype).removeprefix("torch."), backend=backend)  # fmt: skip
+        err = check(backend, vals, keys, query, grad)
+        row["max_rel_err"] = err
+        if not err <= TOL[dtype]:
+            row["skipped"] = f"correctness check failed: relative RMS error {err:.3g}"
+            print(f"SKIP {backend} {row}: {row['skipped']}")
+            rows.append(row)
+            continue
+
+        def fwd(backend=backend):
+            with torch.no_grad():
+                custom_ops.depth_read(vals, keys, query, backend=backend)
+
+        def fwd_bwd(backend=backend):
+            out = custom_ops.depth_read(vals, keys, query, backend=backend)
+            torch.autograd.grad(out, inputs, grad)
+
+        tf, tfb = timeit(fwd, device, repeat), timeit(fwd_bwd, device, repeat)
+        row.update(fwd_ms=tf * 1e3, fwd_bwd_ms=tfb * 1e3, fwd_gbps=fwd_bytes / tf / 1e9,
+                   fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / tfb / 1e9,
+                   bwd_gbps=bwd_bytes / (tfb - tf) / 1e9 if tfb > tf else float("nan"))  # fmt: skip
+        rows.append(row)
+    ref = {(r["backend"]): r for r in rows if "fwd_ms" in r}
+    for row in rows:
+        if "fwd_ms" in row and "reference" in ref:
+            row["fwd_speedup_vs_reference"] = ref["reference"]["fwd_ms"] / row["fwd_ms"]
+            row["fwd_bwd_speedup_vs_reference"] = ref["reference"]["fwd_bwd_ms"] / row["fwd_bwd_ms"]
+    return rows
+
+
+def run(device, shapes, dtype, repeat, backends=None):
+    device = torch.device(device)
+    if backends is None:
+        backends = ["reference", "compiled"] + (["triton"] if device.type == "cuda" else [])
+    result = {"device": str(device), "torch": torch.__version__, "rows": []}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+        result["copy_gbps"] = copy_bandwidth(device)
+    for tokens, d, r, sources, sliced in shapes:
+        result["rows"] += bench_shape(
+            tokens, d, r, sources, sliced, dtype, device, backends, repeat
+        )
+    if "copy_gbps" in result:
+        for row in result["rows"]:
+            if "fwd_gbps" in row:
+                row["fwd_pct_copy"] = 100 * row["fwd_gbps"] / result["copy_gbps"]
+                row["bwd_pct_copy"] = 100 * row["bwd_gbps"] / result["copy_gbps"]
+    return result
+
+
+def print_table(result):
+    cols = ["backend", "keys", "d", "r", "S", "tokens", "fwd_ms", "fwd_bwd_ms", "fwd_gbps",
+            "bwd_gbps", "fwd_pct_copy", "bwd_pct_copy", "fwd_speedup_vs_reference",
+            "fwd_bwd_speedup_vs_reference", "max_rel_err"]  # fmt: skip
+    cols = [c for c in cols if any(c in row for row in result["rows"])]
+    print(f"device={result['device']} torch={result['torch']}", end="")
+    print(f" copy={result['copy_gbps']:.0f} GB/s" if "copy_gbps" in result else "")
+    print(" | ".join(cols))
+    for row in result["rows"]:
+        cells = []
+        for c in cols:
+            v = row.get(c, "-")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        print(" | ".join(cells))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--json", default=None)
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes")
+    args = p.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if args.dry_run:
+        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, False)]
+    elif cuda:
+        shapes = [(16384, d, 64, s, True) for d in (1024, 4096) for s in (5, 9, 17, 49)]
+    else:
+        shapes = [(2048, 1024, 64, s, sl) for s in (5, 9) for sl in (True, False)]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    result = run(args.device, shapes, dtype, args.repeat)
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main()
