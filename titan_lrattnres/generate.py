@@ -164,7 +164,12 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def main(argv=None) -> int:
-    from titan_lrattnres.inference import add_checkpoint_args, find_tokenizer, load_from_cli
+    from titan_lrattnres.inference import (
+        add_checkpoint_args,
+        default_tokenizer,
+        find_tokenizer,
+        load_from_cli,
+    )
 
     p = argparse.ArgumentParser(
         prog="python -m titan_lrattnres.generate",
@@ -173,7 +178,11 @@ def main(argv=None) -> int:
     )
     add_checkpoint_args(p)
     p.add_argument("--prompt", default="", help="text (with a tokenizer) or token ids '1,2,3'")
-    p.add_argument("--tokenizer", help="tokenizer.json (default: found beside the checkpoint)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json (default: beside the checkpoint, else the "
+        "embedded corpus's when built)",
+    )
     p.add_argument("--token-ids", action="store_true", help="treat --prompt as token ids")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -183,7 +192,10 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     model, _, path = load_from_cli(ns)
     tok = None
-    tok_path = None if ns.token_ids else (ns.tokenizer or find_tokenizer(path))
+    vocab = model.tok_embeddings.num_embeddings
+    tok_path = None
+    if not ns.token_ids:
+        tok_path = ns.tokenizer or find_tokenizer(path) or default_tokenizer(vocab)
     if tok_path is not None:
         try:
             from tokenizers import Tokenizer

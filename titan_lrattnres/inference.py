@@ -7,7 +7,8 @@ Two checkpoint formats are accepted by :func:`load_model`:
   ``{"format": "lrattnres-safetensors", "format_version": 1, "model_args": {...}}``;
 - **torchtitan DCP checkpoint**: a ``step-N`` folder (or a run / dump folder, whose newest
   ``checkpoint/step-N`` is used) plus the model arguments, from ``model_args=`` or a
-  ``model_args.json`` found in the checkpoint folder or up to three folders above it.
+  ``model_args.json`` (else the trainer's ``summary.json``, which records flavor, variant,
+  blocks and rank) found in the checkpoint folder or up to three folders above it.
   torchtitan's checkpointer flattens the model state to the top level of the DCP state
   (``layers.0.attention.wo.weight``, ``router.query_bank``); a ``model.``-prefixed layout, as
   ``dcp.save({"model": model.state_dict()})`` writes it, is read too.
@@ -34,6 +35,7 @@ FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MODEL_ARGS_FILE = "model_args.json"
+SUMMARY_FILE = "summary.json"  # the trainer's run summary (flavor, variant, blocks, rank)
 MODEL_ARG_NAMES = (
     "flavor",
     "variant",
@@ -142,6 +144,29 @@ def find_upwards(start: Path, name: str, levels: int = 3) -> Path | None:
     return None
 
 
+def model_args_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
+    """Model arguments recorded in a run's ``summary.json`` (written by the trainer)."""
+    args = {k: summary[k] for k in ("flavor", "variant", "blocks", "rank") if k in summary}
+    for k in ("eps", "vocab_size"):
+        if summary.get(k) is not None:
+            args[k] = summary[k]
+    return args
+
+
+def find_model_args(folder: Path) -> dict[str, Any] | None:
+    """``model_args.json``, else the model fields of ``summary.json``, in ``folder`` or up to
+    three folders above it."""
+    found = find_upwards(folder, MODEL_ARGS_FILE)
+    if found is not None:
+        return json.loads(found.read_text())
+    found = find_upwards(folder, SUMMARY_FILE)
+    if found is not None:
+        args = model_args_from_summary(json.loads(found.read_text()))
+        if {"flavor", "variant"} <= set(args):
+            return args
+    return None
+
+
 def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     """Load the model weights of a DCP checkpoint (single process, no process group)."""
     import torch.distributed.checkpoint as dcp
@@ -206,13 +231,12 @@ def load_model(
         model.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
         return model, clean_model_args(args)
     if model_args is None:
-        found = find_upwards(folder, MODEL_ARGS_FILE) or find_upwards(Path(path), MODEL_ARGS_FILE)
-        if found is None:
+        model_args = find_model_args(folder) or find_model_args(Path(path))
+        if model_args is None:
             raise FileNotFoundError(
-                f"{folder}: a DCP checkpoint needs the model arguments: pass --model-args FILE "
-                f"or put {MODEL_ARGS_FILE} in the run folder"
+                f"{folder}: a DCP checkpoint needs the model arguments: pass --model-args FILE, "
+                f"or put {MODEL_ARGS_FILE} (or the trainer's {SUMMARY_FILE}) in the run folder"
             )
-        model_args = json.loads(found.read_text())
     model = build_model(model_args, depth_backend=depth_backend, device=device)
     load_dcp_into(model, folder)
     return model.eval(), clean_model_args(model_args)
@@ -232,6 +256,20 @@ def find_tokenizer(path: str | Path) -> Path | None:
                 return cand
         p = p.parent
     return None
+
+
+def default_tokenizer(vocab_size: int) -> Path | None:
+    """The embedded corpus's tokenizer (what the CPU configs train with) when it is built and
+    its vocabulary fits ``vocab_size``."""
+    source = default_validation_source()
+    if source is None:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    fits = Tokenizer.from_file(str(source[1])).get_vocab_size() <= vocab_size
+    return source[1] if fits else None
 
 
 def add_checkpoint_args(parser) -> None:

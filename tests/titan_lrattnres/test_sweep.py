@@ -1,0 +1,98 @@
+"""Sweep report building from fake run summaries (no training)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from titan_lrattnres import sweep
+from titan_lrattnres.inference import build_model
+
+FAKE = {
+    "cpu_default_baseline": dict(variant="baseline", blocks=None, rank=32, val=4.10),
+    "cpu_default_attnres": dict(variant="attnres", blocks=4, rank=128, val=4.05),
+    "cpu_default_sliced": dict(variant="sliced", blocks=4, rank=32, val=4.01),
+    "cpu_default_projected": dict(variant="projected", blocks=4, rank=32, val=4.02),
+}
+
+
+def _summary(variant, blocks, rank, val):
+    return {
+        "flavor": "cpu_small",
+        "variant": variant,
+        "blocks": blocks,
+        "rank": rank,
+        "tokens": 512000,
+        "seq_len": 256,
+        "local_batch_size": 8,
+        "final_val_loss": val,
+        "tokens_per_s": 1234.5,
+        "peak_rss_mib": 1500.0,
+    }
+
+
+def test_ci95():
+    mean, half = sweep.ci95([1.0, 2.0, 3.0, 4.0])
+    assert mean == pytest.approx(2.5)
+    assert half == pytest.approx(1.96 * math.sqrt((1.25 * 4 / 3) / 4))
+    assert math.isnan(sweep.ci95([3.0])[1])
+
+
+def test_rows_table_and_plot(tmp_path):
+    rows = [
+        sweep.make_row(
+            n,
+            _summary(f["variant"], f["blocks"], f["rank"], f["val"]),
+            {"val_loss": f["val"] + 0.001, "val_ci95": 0.01, "val_batches": 40, "params": 1000 + i},
+        )
+        for i, (n, f) in enumerate(FAKE.items())
+    ]
+    by = {r["config"]: r for r in rows}
+    assert by["cpu_default_baseline"]["added_flops_pct"] == 0
+    # SPEC §5 at cpu_small (L=4, d=128, h=384): core = 4 (8·128² + 6·128·384) = 1,703,936;
+    # S-LR Block N=4 r=32: read = 2·160·Σ|S_t| = 2·160·(4·7) = 8,960 -> 0.52584 %
+    assert by["cpu_default_sliced"]["added_flops_pct"] == pytest.approx(100 * 8960 / 1703936)
+    assert by["cpu_default_attnres"]["rank"] == 128
+    assert by["cpu_default_sliced"]["val_loss"] == pytest.approx(4.011)
+    assert by["cpu_default_sliced"]["trainer_val_loss"] == pytest.approx(4.01)
+    md = sweep.markdown_table(rows)
+    assert "| S-LR Block N=4 r=32 | cpu_default_sliced | 4.0110 ± 0.0100 | 0.526 |" in md
+    assert "| Baseline |" in md and "P-LR Block N=4 r=32" in md and "Standard Block N=4" in md
+    sweep.write_report(rows, tmp_path)
+    assert json.loads((tmp_path / "sweep.json").read_text())[2]["config"] == "cpu_default_sliced"
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert "± 1.96" in (tmp_path / "sweep.md").read_text()
+
+
+def test_main_reuses_finished_runs_and_falls_back_to_trainer_loss(tmp_path, capsys):
+    for name, f in FAKE.items():
+        (tmp_path / name).mkdir()
+        s = _summary(f["variant"], f["blocks"], f["rank"], f["val"])
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+    assert sweep.main(["--out", str(tmp_path), "--configs", ",".join(FAKE)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("reuse ") == 4  # nothing trained
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["val_loss"] for r in rows] == [f["val"] for f in FAKE.values()]
+    assert all(r["val_ci95"] is None for r in rows)
+
+
+def test_dry_run_prints_train_commands(tmp_path, capsys):
+    sweep.main(
+        ["--out", str(tmp_path), "--configs", "cpu_default_sliced", "--dry-run", "--nproc", "2"]
+    )
+    out = capsys.readouterr().out
+    assert "--nproc_per_node=2" in out and "titan_lrattnres.train cpu_default_sliced" in out
+    assert f"--dump_folder {tmp_path / 'cpu_default_sliced'}" in out
+
+
+def test_batch_losses_match_direct_cross_entropy():
+    torch.manual_seed(0)
+    model = build_model(dict(flavor="debug", variant="sliced", blocks=2, rank=16, vocab_size=64))
+    tokens = torch.randint(0, 64, (2 * 2 * 9 + 5,))
+    losses = sweep.batch_losses(model, tokens, batch=2, seq_len=8, n=10)
+    assert len(losses) == 2
+    x = tokens[18:36].reshape(2, 9)
+    want = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+    assert losses[1] == pytest.approx(want.item(), rel=1e-6)
