@@ -25,6 +25,11 @@ CONFIG ?= cpu_default
 train: venv
 	$(PY) -m titan_lrattnres.train $(CONFIG)
 
+# The embedded corpus + tokenizer (make train builds them when missing; this forces nothing).
+.PHONY: data
+data: venv
+	$(PY) -m titan_lrattnres.data build
+
 lint: venv
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

@@ -197,6 +197,7 @@ def build_corpus(
     corpus_hash = hashlib.sha256()
     for r in sorted(docs.records, key=lambda r: r["path"]):
         corpus_hash.update(r["path"].encode() + b"\0" + r["text"].encode() + b"\0")
+    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
     try:
         _write_jsonl(train, tmp / "train.jsonl")

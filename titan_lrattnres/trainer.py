@@ -79,14 +79,17 @@ def _fmt_time(s: float) -> str:
 
 
 class EndValidator(Validator):
-    """Validates every ``freq`` steps (and not at step 1, unlike the stock validator)."""
+    """Validates every ``freq`` steps and at the last step (not at step 1, unlike the stock
+    validator); ``final_step`` is set by the trainer from ``training.steps``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
         pass
 
+    final_step: int = -1
+
     def should_validate(self, step: int) -> bool:
-        return step % self.config.freq == 0
+        return step % self.config.freq == 0 or step == self.final_step
 
 
 class LRAttnResTrainer(Trainer):
@@ -104,6 +107,8 @@ class LRAttnResTrainer(Trainer):
         self._train_t0: float | None = None
         self._first_step: int = 0
         self._wrap_metrics()
+        if config.validator.enable and isinstance(self.validator, EndValidator):
+            self.validator.final_step = config.training.steps
         if config.checkpoint.enable:
             self._wrap_checkpointer()
 
