@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +188,9 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
         prefix + k: torch.empty(stored[prefix + k].size, dtype=stored[prefix + k].properties.dtype)
         for k in own
     }
-    dcp.load(state, storage_reader=reader)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+        warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
+        dcp.load(state, storage_reader=reader)
     model.load_state_dict({k: state[prefix + k] for k in own}, strict=True)
 
 

@@ -206,6 +206,7 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
     ax.set_ylabel("validation loss")
     ax.set_title(title or "validation loss vs added FLOPs")
     ax.grid(alpha=0.3)
+    ax.margins(x=0.3, y=0.15)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -118,3 +118,42 @@ def test_cli_baseline_says_no_routing(tmp_path):
     assert report["routing"] is None and "no depth routing" in report["note"]
     with pytest.raises(ValueError, match="no depth routing"):
         analysis.capture_routing(model, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_cli_on_dcp_run_with_trainer_summary_only(tmp_path):
+    # torchtitan's checkpointer stores the model keys flat at the top level of the DCP state
+    import torch.distributed.checkpoint as dcp
+
+    model, args = _model("sliced", 3)
+    run = tmp_path / "run"
+    dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-2"))
+    dcp.save(
+        {k: v * 0 for k, v in model.state_dict().items()},
+        checkpoint_id=str(run / "checkpoint" / "step-1"),
+    )  # older: must not be picked
+    summary = {"flavor": "debug", "variant": "sliced", "blocks": 3, "rank": 16, "steps": 2}
+    (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "out"
+    analysis.main(
+        [
+            "--run",
+            str(run),
+            "--out",
+            str(out),
+            "--tokens",
+            "32",
+            "--batch",
+            "1",
+            "--seq-len",
+            "32",
+            "--random",
+            "--depth-backend",
+            "reference",
+        ]
+    )
+    report = json.loads((out / "routing.json").read_text())
+    assert report["model_args"] == {"flavor": "debug", "variant": "sliced", "blocks": 3, "rank": 16}
+    tokens = analysis.token_batches(32, 1, 32, 4096, seed=0)
+    _, want = analysis.capture_routing(model, tokens[0])
+    got = report["sites"][2]["mean_weight"]
+    assert got == pytest.approx(want[2].reshape(want[2].shape[0], -1).mean(1).tolist(), rel=1e-5)
