@@ -3,14 +3,16 @@
 ``python -m titan_lrattnres.data build [--force]`` writes, under ``$LRATTNRES_DATA_DIR``
 (default ``data_cache/`` in the repository root)::
 
-    stdlib_py/train.jsonl, val.jsonl    one {"path", "text"} record per source file
+    stdlib_py/train.jsonl, val.jsonl    {"path": "file.py#k", "text": chunk k of the file}
     stdlib_py/tokenizer/                byte-level BPE, V=4096, <|endoftext|> = BOS = EOS
     stdlib_py/manifest.json             Python version, counts, hashes, unigram entropy
 
 Corpus: the portable, no-tests ``.py`` files of the running interpreter's stdlib (no
 site-packages, __pycache__, test/tests/idle_test dirs, ``_sysconfigdata_*``, ``config-3.*``).
-A file is validation iff ``int(sha256(relative path)[:8], 16) % 100 < 5``. The train split is
-stored in sha256(path) order so that a short run sees a mix of modules, not just ``a*``.
+A file is validation iff ``int(sha256(relative path)[:8], 16) % 100 < 5``. Files are cut at line
+boundaries into ~2 KB chunks stored in sha256(path#k) order: the loader packs documents in order,
+so whole files would feed a short run hundreds of consecutive sequences of one module (a 750 KB
+prose file, a codec table), and its loss would follow whichever file it is in.
 Rebuilding gives byte-identical files; the manifest records their hashes.
 
 Registered torchtitan datasets (``--dataloader.dataset NAME [--dataloader.dataset_path P]``):
@@ -42,7 +44,8 @@ from pathlib import Path
 EOT = "<|endoftext|>"
 VOCAB_SIZE = 4096
 VAL_PERCENT = 5
-FORMAT_VERSION = 1
+CHUNK_BYTES = 2048
+FORMAT_VERSION = 2
 CACHE_ENV = "LRATTNRES_DATA_DIR"
 _PLACEHOLDER = f"${CACHE_ENV}/stdlib_py"
 _SKIP_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test"}
@@ -111,6 +114,24 @@ def read_documents(files: Iterable[tuple[str, Path]], *, strict: bool) -> Docume
             continue
         docs.records.append({"path": rel, "text": text})
     return docs
+
+
+def chunk_records(records: list[dict[str, str]], size: int = CHUNK_BYTES) -> list[dict[str, str]]:
+    """Cut each document at line boundaries into pieces of about ``size`` bytes, ordered by
+    sha256 of ``path#k`` (a fixed shuffle)."""
+    out = []
+    for r in records:
+        piece, n, k = [], 0, 0
+        for line in r["text"].splitlines(keepends=True):
+            piece.append(line)
+            n += len(line.encode())
+            if n >= size:
+                out.append({"path": f"{r['path']}#{k}", "text": "".join(piece)})
+                piece, n, k = [], 0, k + 1
+        if piece and "".join(piece).strip():
+            out.append({"path": f"{r['path']}#{k}", "text": "".join(piece)})
+    out.sort(key=lambda r: hashlib.sha256(r["path"].encode()).hexdigest())
+    return out
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = VOCAB_SIZE):
@@ -188,7 +209,6 @@ def build_corpus(
     docs = read_documents(files, strict=strict)
     train = [r for r in docs.records if not is_validation(r["path"])]
     val = [r for r in docs.records if is_validation(r["path"])]
-    train.sort(key=lambda r: hashlib.sha256(r["path"].encode()).hexdigest())
     if not train or not val:
         raise CorpusError(
             f"corpus from {source} has {len(train)} train and {len(val)} validation files; "
@@ -200,6 +220,8 @@ def build_corpus(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=out.parent))
     try:
+        n_train_files, n_val_files = len(train), len(val)
+        train, val = chunk_records(train), chunk_records(val)
         _write_jsonl(train, tmp / "train.jsonl")
         _write_jsonl(val, tmp / "val.jsonl")
         tok = train_tokenizer((r["text"] for r in train), vocab_size)
@@ -211,8 +233,10 @@ def build_corpus(
             "python_version": platform.python_version(),
             "python_implementation": platform.python_implementation(),
             "vocab_size": tok.get_vocab_size(),
-            "train_files": len(train),
-            "val_files": len(val),
+            "train_files": n_train_files,
+            "val_files": n_val_files,
+            "train_chunks": len(train),
+            "val_chunks": len(val),
             "train_bytes": sum(len(r["text"].encode()) for r in train),
             "val_bytes": sum(len(r["text"].encode()) for r in val),
             "skipped_empty": len(docs.skipped_empty),
@@ -280,6 +304,8 @@ def ensure_built(cache: Path | None = None, *, force: bool = False, quiet: bool 
     out = corpus_dir(cache)
     with _lock(out.parent / ".stdlib_py.lock"):
         manifest = None if force else load_manifest(cache)
+        if manifest is not None and manifest.get("format_version") != FORMAT_VERSION:
+            manifest = None  # written by an older version of this code: rebuild
         if manifest is None:
             if not quiet:
                 print(f"[data] building the stdlib corpus and tokenizer into {out} ...", flush=True)

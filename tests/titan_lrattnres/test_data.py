@@ -63,6 +63,22 @@ def test_build_is_byte_identical_and_hashed(tmp_path):
     assert m3["corpus_sha256"] != m1["corpus_sha256"]
 
 
+def test_chunks_cover_each_file_in_hash_order():
+    text = "".join(f"line {i} " + "x" * (i % 50) + "\n" for i in range(400))
+    chunks = data.chunk_records(
+        [{"path": "a.py", "text": text}, {"path": "b.py", "text": "y\n"}], size=500
+    )
+    keys = [c["path"] for c in chunks]
+    assert keys == sorted(keys, key=lambda k: data.hashlib.sha256(k.encode()).hexdigest())
+    a = sorted(
+        (c for c in chunks if c["path"].startswith("a.py#")),
+        key=lambda c: int(c["path"].split("#")[1]),
+    )
+    assert "".join(c["text"] for c in a) == text and len(a) > 10
+    assert all(len(c["text"].encode()) < 500 + 60 for c in a)
+    assert {"path": "b.py#0", "text": "y\n"} in chunks
+
+
 def test_bad_files_skipped_with_count_or_named_in_strict_mode(tmp_path):
     files = _files(tmp_path, 4)
     bad = tmp_path / "src" / "latin1.py"
