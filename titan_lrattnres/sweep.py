@@ -1,6 +1,7 @@
 """Variant sweep at matched tokens, data and seed: train, evaluate, tabulate, plot (cf. Figure 1).
 
-    python -m titan_lrattnres.sweep [--configs a,b,c] [--out DIR] [--nproc N] [--dry-run]
+    python -m titan_lrattnres.sweep [--configs a,b,c] [--out DIR] [--nproc N] [--dry-run] \
+        [--section.field VALUE ...]     (any other argument is passed to every training run)
 
 Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
 ``python -m titan_lrattnres.train NAME --dump_folder OUT/NAME`` (``torchrun --standalone
