@@ -139,3 +139,17 @@ def test_registered_datasets_load(tmp_path, monkeypatch):
     assert len(own) == len(files) and own[0]["text"] == files[0][1].read_text()
     with pytest.raises(data.CorpusError, match="no files found"):
         DATASETS["text_files"].loader(str(tmp_path / "nothing-here"))
+
+
+def test_ensure_built_builds_when_missing_then_reuses(tmp_path, monkeypatch):
+    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "cache"))
+    files = _files(tmp_path)
+    monkeypatch.setattr(data, "stdlib_files", lambda: files)
+    manifest_path = data.corpus_dir() / "manifest.json"
+    assert not manifest_path.exists()
+    m1 = data.ensure_built(quiet=True)
+    stamp = manifest_path.stat().st_mtime_ns
+    assert data.ensure_built(quiet=True) == m1 and manifest_path.stat().st_mtime_ns == stamp
+    old = dict(m1, format_version=data.FORMAT_VERSION - 1)
+    manifest_path.write_text(json.dumps(old))
+    assert data.ensure_built(quiet=True) == m1  # an older format is rebuilt, same bytes
