@@ -310,8 +310,6 @@ def ensure_built(cache: Path | None = None, *, force: bool = False, quiet: bool 
             if not quiet:
                 print(f"[data] building the stdlib corpus and tokenizer into {out} ...", flush=True)
             manifest = build_corpus(out, stdlib_files())
-            if not quiet:
-                print(describe(manifest), flush=True)
     check_manifest(manifest, cache)
     return manifest
 
@@ -331,7 +329,7 @@ def describe(m: dict) -> str:
 
 def _resolve(path: str | None) -> Path:
     if not path or path == _PLACEHOLDER:
-        ensure_built(quiet=False)
+        ensure_built()
         return corpus_dir()
     return Path(path)
 
