@@ -73,6 +73,14 @@ def preflight(config) -> None:
                 f"{flag} {name!r} is not a registered dataset. Registered: "
                 f"{', '.join(sorted(DATASETS))}"
             )
+    for flag, dl in loaders:
+        if getattr(dl, "dataset", "") in ("text_files", "hf_text", "hf_text_val") and not (
+            dl.dataset_path
+        ):
+            raise data.CorpusError(
+                f"{flag} {dl.dataset!r} reads your own data: also pass "
+                f"{flag.removesuffix('dataset')}dataset_path (a directory, glob or HF dataset)"
+            )
     stdlib = [
         dl
         for _, dl in loaders

@@ -64,3 +64,10 @@ def test_own_corpus_too_small(tiny_cache, capsys):
     (own / "a.txt").write_text("tiny\n")
     err = _main(capsys, "--dataloader.dataset", "text_files", "--dataloader.dataset_path", str(own))
     assert f"corpus {own} has" in err and "fewer than one batch" in err
+
+
+def test_paper_config_without_a_dataset_path(tiny_cache, capsys):
+    assert train.main(["paper_baseline"]) == 1
+    err = capsys.readouterr().err
+    assert "--dataloader.dataset 'hf_text' reads your own data" in err
+    assert "--dataloader.dataset_path" in err
