@@ -1,7 +1,8 @@
 """The one place that turns an experiment's numbers into a ``Trainer.Config``.
 
-``DEPTH_BACKEND`` selects the depth-read implementation for every named config. It is
-"reference" until the fused ops in ``custom_ops`` land; then switch it to "auto" here.
+``DEPTH_BACKEND`` selects the depth-read implementation for every named config: "auto" = the
+fused ``lrattnres::`` ops (Triton on CUDA, the plain-PyTorch op on CPU). Measured on cpu_default
+variants, 60 steps, 2 cores: 2-8 % more tokens/s than "reference", same losses.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from titan_lrattnres.data import register_datasets, tokenizer_dir
 from titan_lrattnres.registry import model_registry
 from titan_lrattnres.trainer import EndValidator, LRAttnResTrainer
 
-DEPTH_BACKEND = "reference"
+DEPTH_BACKEND = "auto"
 
 
 def param_groups(

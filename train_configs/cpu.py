@@ -5,8 +5,8 @@
   seq 256 x batch 8, 200 steps (410k tokens), per-sublayer inductor compile (2x+ over eager
   here), AdamW 3e-3 with 20 warmup steps and linear decay to 0.1x, validation at the end on
   40 x 8 x 256 = 82k held-out tokens (46% of the split); checkpoints every 100 steps.
-- ``cpu_default_{baseline,attnres,sliced,projected}``: the same recipe per variant, for
-  comparisons at matched tokens.
+- ``cpu_default_{baseline,attnres,sliced,projected}``: the same recipe per variant (Block N=4),
+  for comparisons at matched tokens; ``cpu_default_attnres_full`` is standard Full AttnRes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ def cpu_smoke():
     )
 
 
-def _cpu_default(variant: str, name: str):
+def _cpu_default(variant: str, name: str, **override):
     blocks, rank = CPU_VARIANTS[variant]
+    blocks = override.get("blocks", blocks)
     return make_config(
         name=name,
         flavor="cpu_small",
@@ -69,6 +70,10 @@ def cpu_default_baseline():
     return _cpu_default("baseline", "cpu_default_baseline")
 
 
+def cpu_default_attnres_full():
+    return _cpu_default("attnres", "cpu_default_attnres_full", blocks=None)
+
+
 def cpu_default_attnres():
     return _cpu_default("attnres", "cpu_default_attnres")
 
@@ -87,6 +92,7 @@ CONFIGS = {
         cpu_smoke,
         cpu_default,
         cpu_default_baseline,
+        cpu_default_attnres_full,
         cpu_default_attnres,
         cpu_default_sliced,
         cpu_default_projected,
