@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv train test lint test-fast test-interp bench clean-venv
+.PHONY: venv train test lint test-fast bench clean-venv env
 
 venv: $(VENV)/.installed
 
@@ -49,3 +49,7 @@ bench: venv
 
 clean-venv:
 	rm -rf $(VENV)
+
+# eval "$(make -s env)": this project's Python first on PATH, the clone on PYTHONPATH.
+env: venv
+	@echo 'export PATH="$(VENV)/bin:$$PATH" PYTHONPATH="$(CURDIR)" HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1'
