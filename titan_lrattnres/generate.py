@@ -22,8 +22,6 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from custom_ops.reference import key_rmsnorm
-
 
 class KVCache:
     """Keys / values after RoPE of every attention sublayer: ``[B, max_len, n_kv_heads, hd]``."""
@@ -86,10 +84,7 @@ def _sublayer_cached(layer, h, cache: KVCache, j: int, positions: torch.Tensor):
         y = _attention_cached(layer.attention, x, cache, j, positions)
     else:
         y = layer.feed_forward(x)
-    if not layer.key_rank:
-        return y
-    o, k = y.split([layer.dim, layer.key_rank], dim=-1)
-    return o, key_rmsnorm(k, layer.key_eps)
+    return layer.emit(y)
 
 
 @torch.no_grad()

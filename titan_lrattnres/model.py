@@ -63,6 +63,10 @@ class Sublayer(Module):
             y = self.attention(x, attention_masks, positions)
         else:
             y = self.feed_forward(x)
+        return self.emit(y)
+
+    def emit(self, y: torch.Tensor):
+        """The output projection's result ``[..., d (+ r)]`` -> ``o`` or ``(o, RMSNorm(k))``."""
         if not self.key_rank:
             return y
         o, k = y.split([self.dim, self.key_rank], dim=-1)

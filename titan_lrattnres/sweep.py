@@ -106,6 +106,7 @@ def evaluate_run(run_dir: Path, summary: dict, val_batches: int) -> dict:
         "val_loss": mean,
         "val_ci95": half,
         "val_batches": len(losses),
+        "val_batch_losses": losses,
         "params": sum(p.numel() for p in model.parameters()),
     }
 
@@ -137,12 +138,26 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
         "val_loss": ev.get("val_loss", summary.get("final_val_loss")),
         "val_ci95": ev.get("val_ci95"),
         "val_batches": ev.get("val_batches"),
+        "val_batch_losses": ev.get("val_batch_losses"),
         "trainer_val_loss": summary.get("final_val_loss"),
         "added_flops_pct": added,
         "params": ev.get("params", summary.get("params")),
         "tokens_per_s": summary.get("tokens_per_s"),
         "peak_mem_mib": summary.get("peak_rss_mib"),
     }
+
+
+def add_paired_deltas(rows: list[dict]) -> None:
+    """``delta_vs_baseline`` (± paired 95% CI): every run is evaluated on the same batches, so
+    the per-batch differences to the baseline cancel the batch-to-batch spread of the corpus."""
+    base = next((r for r in rows if r["variant"] == "baseline"), None)
+    base_losses = (base or {}).get("val_batch_losses")
+    for r in rows:
+        losses = r.get("val_batch_losses")
+        if not base_losses or not losses or len(losses) != len(base_losses):
+            r["delta_vs_baseline"], r["delta_ci95"] = None, None
+            continue
+        r["delta_vs_baseline"], r["delta_ci95"] = ci95([a - b for a, b in zip(losses, base_losses)])
 
 
 def label(row: dict) -> str:
@@ -161,16 +176,20 @@ def _fmt(x, spec: str) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| model | config | val loss (± 95% CI) | added FLOPs % | params | tokens/s | "
-        "peak mem MiB |",
-        "|---|---|---|---|---|---|---|",
+        "| model | config | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
+        "added FLOPs % | params | tokens/s | peak mem MiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         loss = _fmt(r["val_loss"], ".4f")
         if r.get("val_ci95") is not None and not math.isnan(r["val_ci95"]):
             loss += f" ± {r['val_ci95']:.4f}"
+        delta = _fmt(r.get("delta_vs_baseline"), "+.4f")
+        if r.get("delta_ci95") is not None and not math.isnan(r["delta_ci95"]):
+            delta += f" ± {r['delta_ci95']:.4f}"
         lines.append(
-            f"| {label(r)} | {r['config']} | {loss} | {_fmt(r['added_flops_pct'], '.3f')} | "
+            f"| {label(r)} | {r['config']} | {loss} | {delta} | "
+            f"{_fmt(r['added_flops_pct'], '.3f')} | "
             f"{_fmt(r['params'], ',')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['peak_mem_mib'], ',.0f')} |"
         )
@@ -217,9 +236,11 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
 
 def write_report(rows: list[dict], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    add_paired_deltas(rows)
     (out / "sweep.md").write_text(
         "# Variant sweep\n\nMatched tokens, data and seed. Validation loss: mean of per-batch "
-        "losses over the held-out split, ± 1.96·std/sqrt(n).\n\n" + markdown_table(rows)
+        "losses over the held-out split, ± 1.96·std/sqrt(n); Δ vs baseline: mean of the "
+        "per-batch differences on the same batches, ± 1.96·std/sqrt(n).\n\n" + markdown_table(rows)
     )
     (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot(rows, out / "sweep.png")

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _tiny import trained
 
 import custom_ops  # noqa: F401  (registers torch.ops.lrattnres)
 from titan_lrattnres import export
-from titan_lrattnres.inference import build_model, load_model
+from titan_lrattnres.inference import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SHAPES = [(1, 5), (3, 23)]  # two shapes, neither the export example (2, 16)
@@ -28,21 +29,6 @@ f = load[kind](path)
 with torch.no_grad():
     torch.save([f(x) for x in torch.load(data)], data + "." + kind + ".pt")
 """
-
-
-def _trained(variant, blocks, depth_backend=None, steps=3, seed=0):
-    torch.manual_seed(seed)
-    args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16, vocab_size=256)
-    model = build_model(args, depth_backend=depth_backend).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    data = torch.randint(0, 256, (4, 33))
-    for _ in range(steps):
-        logits = model(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval(), args
 
 
 def _inputs(tmp_path):
@@ -76,7 +62,7 @@ def _fresh_process(kind, path, tmp_path):
     ],
 )
 def test_exported_program_dynamic_shapes(variant, blocks, backend):
-    model, _ = _trained(variant, blocks, backend, steps=1)
+    model, _ = trained(variant, blocks, backend, steps=1)
     program = export.export_program(model)
     run = program.module()
     with torch.no_grad():
@@ -94,15 +80,15 @@ def test_exported_program_dynamic_shapes(variant, blocks, backend):
     ],
 )
 def test_fused_backend_keeps_custom_op_nodes(variant, blocks, expected):
-    model, _ = _trained(variant, blocks, "auto", steps=0)
+    model, _ = trained(variant, blocks, "auto", steps=0)
     assert set(export.custom_op_nodes(export.export_program(model))) == expected
-    ref, _ = _trained(variant, blocks, "reference", steps=0)
+    ref, _ = trained(variant, blocks, "reference", steps=0)
     assert export.custom_op_nodes(export.export_program(ref)) == []
 
 
 def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
     # default depth backend (auto): the fused ops when registered
-    model, args = _trained("sliced", 3)
+    model, args = trained("sliced", 3, depth_backend=None)
     run = tmp_path / "run"
     dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-3"))
     (run / "model_args.json").write_text(json.dumps(args))
@@ -143,7 +129,7 @@ def test_unknown_format_is_refused(tmp_path):
 @pytest.mark.slow
 def test_aoti_package_reloads_in_fresh_process(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
-    model, args = _trained("projected", 2)
+    model, args = trained("projected", 2, depth_backend=None)
     record = export.export_all(model, args, tmp_path / "out", formats=("aoti",))
     assert record["files"] == {"aoti": "model_aoti.pt2"}
     xs = _inputs(tmp_path)

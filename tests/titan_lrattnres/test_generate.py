@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _tiny import trained
 
 from titan_lrattnres import generate as gen
-from titan_lrattnres.inference import build_model
 
 CONFIGS = [
     pytest.param("baseline", None, id="baseline"),
@@ -20,27 +20,9 @@ CONFIGS = [
 ]
 
 
-def _trained(variant, blocks, depth_backend="reference", steps=3, seed=0):
-    """A tiny model trained a few AdamW steps on random tokens (non-trivial queries)."""
-    torch.manual_seed(seed)
-    args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16, vocab_size=256)
-    model = build_model(args, depth_backend=depth_backend).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    data = torch.randint(0, 256, (4, 33))
-    for _ in range(steps):
-        logits = model(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    if variant != "baseline" and steps:
-        assert model.router.query_bank.abs().max() > 0  # routing is no longer uniform
-    return model.eval(), args
-
-
 @pytest.mark.parametrize("variant,blocks", CONFIGS)
 def test_cached_logits_match_full_forward(variant, blocks):
-    model, _ = _trained(variant, blocks)
+    model, _ = trained(variant, blocks)
     seq = torch.randint(0, 256, (2, 12))
     full = model(seq)
     cache = gen.KVCache(model, batch=2, max_len=12)
@@ -55,7 +37,7 @@ def test_cached_logits_match_full_forward(variant, blocks):
 
 @pytest.mark.parametrize("variant,blocks", CONFIGS)
 def test_greedy_cached_equals_uncached(variant, blocks):
-    model, _ = _trained(variant, blocks)
+    model, _ = trained(variant, blocks)
     prompt = torch.randint(0, 256, (2, 4))
     a = gen.generate(model, prompt, 12, use_cache=True)
     b = gen.generate(model, prompt, 12, use_cache=False)
@@ -65,15 +47,15 @@ def test_greedy_cached_equals_uncached(variant, blocks):
 
 
 def test_fused_depth_backend_decodes_like_reference():
-    ref, _ = _trained("sliced", 3)
-    fused, _ = _trained("sliced", 3)
+    ref, _ = trained("sliced", 3)
+    fused, _ = trained("sliced", 3)
     fused.router.backend = "auto"
     prompt = torch.randint(0, 256, (1, 5))
     assert torch.equal(gen.generate(ref, prompt, 10), gen.generate(fused, prompt, 10))
 
 
 def test_sampling_is_seeded_and_top_k_restricts():
-    model, _ = _trained("sliced", 2)
+    model, _ = trained("sliced", 2)
     prompt = torch.randint(0, 256, (1, 3))
     a = gen.generate(model, prompt, 8, temperature=1.0, top_k=5, seed=1)
     b = gen.generate(model, prompt, 8, temperature=1.0, top_k=5, seed=1)
@@ -87,13 +69,13 @@ def test_sampling_is_seeded_and_top_k_restricts():
 
 
 def test_too_long_is_refused():
-    model, _ = _trained("sliced", 2, steps=0)
+    model, _ = trained("sliced", 2, steps=0)
     with pytest.raises(ValueError, match="max_seq_len"):
         gen.generate(model, torch.zeros(1, 500, dtype=torch.long), 20)
 
 
 def test_cli_from_dcp_checkpoint(tmp_path, capsys):
-    model, args = _trained("projected", 2)
+    model, args = trained("projected", 2)
     run = tmp_path / "run"
     dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-3"))
     (run / "model_args.json").write_text(json.dumps(args))

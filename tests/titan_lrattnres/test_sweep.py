@@ -57,7 +57,7 @@ def test_rows_table_and_plot(tmp_path):
     assert by["cpu_default_sliced"]["val_loss"] == pytest.approx(4.011)
     assert by["cpu_default_sliced"]["trainer_val_loss"] == pytest.approx(4.01)
     md = sweep.markdown_table(rows)
-    assert "| S-LR Block N=4 r=32 | cpu_default_sliced | 4.0110 ± 0.0100 | 0.526 |" in md
+    assert "| S-LR Block N=4 r=32 | cpu_default_sliced | 4.0110 ± 0.0100 | - | 0.526 |" in md
     assert "| Baseline |" in md and "P-LR Block N=4 r=32" in md and "Standard Block N=4" in md
     sweep.write_report(rows, tmp_path)
     assert json.loads((tmp_path / "sweep.json").read_text())[2]["config"] == "cpu_default_sliced"
@@ -96,3 +96,17 @@ def test_batch_losses_match_direct_cross_entropy():
     x = tokens[18:36].reshape(2, 9)
     want = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
     assert losses[1] == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_paired_deltas_use_per_batch_differences():
+    rows = [
+        {"variant": "baseline", "val_batch_losses": [5.0, 6.0, 7.0]},
+        {"variant": "sliced", "val_batch_losses": [4.9, 5.8, 6.9]},
+        {"variant": "projected", "val_batch_losses": [4.0, 5.0]},  # other batches: no delta
+    ]
+    sweep.add_paired_deltas(rows)
+    assert rows[0]["delta_vs_baseline"] == 0.0
+    assert abs(rows[1]["delta_vs_baseline"] - (-0.4 / 3)) < 1e-12
+    diffs = [-0.1, -0.2, -0.1]
+    assert abs(rows[1]["delta_ci95"] - sweep.ci95(diffs)[1]) < 1e-12
+    assert rows[2]["delta_vs_baseline"] is None
