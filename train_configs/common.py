@@ -127,9 +127,13 @@ def make_config(
             seq_len=seq_len,
             steps=steps,
             max_norm=1.0,
-            # CPU: fp32 params in FSDP (bf16 is the GPU default) and no CUDA graphs.
+            # CPU: fp32 params in FSDP (bf16 is the GPU default).
             mixed_precision_param="float32" if cpu else "bfloat16",
-            disable_cuda_graphs=cpu,
+            # No CUDA-graph capture of fwd+bwd (torchtitan's default is on): each fused depth
+            # read uploads a small table of source data pointers (a host-to-device copy), which
+            # stream capture forbids. Not verified on a GPU; a user may try capture with
+            # depth_backend "reference" or "compiled".
+            disable_cuda_graphs=True,
         ),
         dataloader=HuggingFaceTextDataLoader.Config(dataset=dataset),
         metrics=MetricsProcessor.Config(log_freq=log_freq),
