@@ -172,6 +172,24 @@ def run(config) -> None:
             torch.distributed.destroy_process_group()
 
 
+def _report(config) -> None:
+    """One closing line on rank 0: the validation loss against the corpus's unigram entropy."""
+    import json
+
+    path = os.path.join(config.dump_folder, "summary.json")
+    if os.environ.get("RANK", "0") != "0" or not os.path.isfile(path):
+        return
+    with open(path) as f:
+        s = json.load(f)
+    val, uni = s.get("final_val_loss"), s.get("unigram_entropy")
+    line = f"done: {s.get('steps')} steps, {s.get('tokens', 0):,} tokens"
+    if val is not None:
+        line += f", validation loss {val:.4f}"
+    if uni is not None:
+        line += f" (unigram entropy of the corpus {uni:.4f})"
+    print(f"{line}; {path}, {os.path.join(config.dump_folder, 'loss.png')}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-"):
@@ -201,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         _single_process_env()
         run(config)
+        _report(config)
     except (UsageError, CorpusError, CheckpointMismatchError, NonFiniteLossError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
