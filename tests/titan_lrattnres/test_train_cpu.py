@@ -215,7 +215,8 @@ def test_compile_inductor_trains(env, tmp_path):
 
 
 def test_two_processes_fsdp2_gloo_via_torchtitan_module(env, tmp_path):
-    """The ``--module`` path: the shim comes in through config_registry, after torchtitan."""
+    """The ``--module`` path (the shim comes in through config_registry, after torchtitan):
+    FSDP2 over 2 gloo ranks with per-sublayer compile."""
     p = _run(
         [
             sys.executable,
@@ -240,6 +241,9 @@ def test_two_processes_fsdp2_gloo_via_torchtitan_module(env, tmp_path):
             "2",
             "--checkpoint.interval",
             "5",
+            "--compile.enable",
+            "--compile.backend",
+            "aot_eager",
         ],
         env,
         timeout=600,
@@ -247,6 +251,7 @@ def test_two_processes_fsdp2_gloo_via_torchtitan_module(env, tmp_path):
     _ok(p)
     log = p.stdout + p.stderr
     assert "Applied FSDP to the model" in log
+    assert "Compiling each TransformerBlock" in log
     s = json.loads((tmp_path / "summary.json").read_text())
     assert s["world_size"] == 2 and s["tokens"] == 10 * 4 * 128 * 2
     hist = _history(tmp_path)
