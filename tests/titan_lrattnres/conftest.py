@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from titan_lrattnres.registry import build_model_config
+from titan_lrattnres import model_registry
 
 
 @pytest.fixture
@@ -11,7 +11,7 @@ def build():
     def _build(flavor="debug", seed=0, dtype=torch.float32, randomize_queries=True, **kwargs):
         kwargs.setdefault("depth_backend", "reference")
         torch.manual_seed(seed)
-        model = build_model_config(flavor, **kwargs).build()
+        model = model_registry(flavor, **kwargs).model.build()  # the ModelSpec users get
         model.init_states(buffer_device=torch.device("cpu"))
         if randomize_queries and hasattr(model.router, "query_bank"):
             # zero-initialised queries make every read a plain mean; test real routing too.
