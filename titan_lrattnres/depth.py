@@ -26,6 +26,7 @@ import torch.nn as nn
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
+import custom_ops
 from custom_ops import reference
 from custom_ops.schedule import block_ends
 
@@ -134,8 +135,6 @@ class DepthRouter(Module):
 
     def _phase1(self, state: DepthState, t: int) -> None:
         """At a completion point t: phase 1 for sites t..(next end - 1), t = 0 excluded."""
-        import custom_ops
-
         nxt = next((e for e in self.ends if e > t), self.num_sublayers + 1)
         first = max(t, 1)
         if nxt <= first:
@@ -148,8 +147,6 @@ class DepthRouter(Module):
         state.phase1 = (out, lse, first)
 
     def _read_two_phase(self, state: DepthState, t: int) -> torch.Tensor:
-        import custom_ops
-
         if state.partial is None:  # t is a block end: completed sources only
             self._phase1(state, t)
             out, _, first = state.phase1
