@@ -26,16 +26,40 @@ def _partial_logit(
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        k = tl.load(
-            PK + offs_t[:, None] * pk_stride + offs_r[None, :],
-            mask=mask_t[:, None] & mask_r[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        k = common.load_tile(PK, offs_t, pk_stride, offs_r, mask_t, mask_r)
         q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
         sumsq += tl.sum(k * k, axis=1)
         dot += tl.sum(k * q[None, :], axis=1)
     rstd = tl.rsqrt(sumsq / R + eps)
     return dot * rstd, rstd
+
+
+@triton.jit
+def _merge_weights(LSE1, offs_t, mask_t, logit):
+    """``(w1, w2)``: the two-way softmax of ``(lse1, ℓ)``."""
+    lse1 = tl.load(LSE1 + offs_t, mask=mask_t, other=0.0)
+    m = tl.maximum(lse1, logit)
+    w1, w2 = tl.exp(lse1 - m), tl.exp(logit - m)
+    return w1 / (w1 + w2), w2 / (w1 + w2)
+
+
+@triton.jit
+def _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM: tl.constexpr):
+    """fp32 tile of the total grad of h: ``dh`` (+ the RMSNorm backward ``rstd·gy - h·cy``)."""
+    dh = common.load_tile(DH, offs_t, D, offs_d, mask_t, mask_d)
+    if HAS_NORM:
+        h = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d)
+        gy = common.load_tile(DN, offs_t, D, offs_d, mask_t, mask_d)
+        dh += hrstd[:, None] * gy - h * cy[:, None]
+    return dh
+
+
+@triton.jit
+def _key_grad(dlogit, rstd, g, k, Q, DQ, offs_r, mask_r):
+    """dk of one key tile ``k [BLOCK_T, BLOCK_R]`` (columns ``offs_r``); stores its partial dq."""
+    q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+    tl.store(DQ + offs_r, tl.sum((dlogit * rstd)[:, None] * k, axis=0), mask=mask_r)
+    return (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
 
 
 @triton.jit
@@ -62,19 +86,15 @@ def _merge_fwd_kernel(
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < T
     logit, _ = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
-    lse1 = tl.load(LSE1 + offs_t, mask=mask_t, other=0.0)
-    m = tl.maximum(lse1, logit)
-    w1, w2 = tl.exp(lse1 - m), tl.exp(logit - m)
-    w1, w2 = w1 / (w1 + w2), w2 / (w1 + w2)
+    w1, w2 = _merge_weights(LSE1, offs_t, mask_t, logit)
     sumsq = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask = mask_t[:, None] & (offs_d < D)[None, :]
-        o1 = tl.load(OUT1 + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(PV + offs_t[:, None] * pv_stride + offs_d[None, :], mask=mask, other=0.0)
-        h = (w1[:, None] * o1.to(tl.float32) + w2[:, None] * v.to(tl.float32)).to(
-            H.dtype.element_ty
-        )
+        mask_d = offs_d < D
+        o1 = common.load_tile(OUT1, offs_t, D, offs_d, mask_t, mask_d)
+        v = common.load_tile(PV, offs_t, pv_stride, offs_d, mask_t, mask_d)
+        h = (w1[:, None] * o1 + w2[:, None] * v).to(H.dtype.element_ty)
+        mask = mask_t[:, None] & mask_d[None, :]
         tl.store(H + offs_t[:, None] * D + offs_d[None, :], h, mask=mask)
         hf = h.to(tl.float32)
         sumsq += tl.sum(hf * hf, axis=1)
@@ -83,9 +103,9 @@ def _merge_fwd_kernel(
         hrstd = tl.rsqrt(sumsq / D + norm_eps)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask = mask_t[:, None] & (offs_d < D)[None, :]
-            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0)
-            y = h.to(tl.float32) * hrstd[:, None]
+            mask_d = offs_d < D
+            y = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d) * hrstd[:, None]
+            mask = mask_t[:, None] & mask_d[None, :]
             tl.store(
                 NORM + offs_t[:, None] * D + offs_d[None, :], y.to(NORM.dtype.element_ty), mask=mask
             )
@@ -123,10 +143,7 @@ def _merge_bwd_kernel(
     offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < T
     logit, rstd = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
-    lse1 = tl.load(LSE1 + offs_t, mask=mask_t, other=0.0)
-    m = tl.maximum(lse1, logit)
-    w1, w2 = tl.exp(lse1 - m), tl.exp(logit - m)
-    w1, w2 = w1 / (w1 + w2), w2 / (w1 + w2)
+    w1, w2 = _merge_weights(LSE1, offs_t, mask_t, logit)
     hrstd = tl.zeros([BLOCK_T], tl.float32)
     cy = tl.zeros([BLOCK_T], tl.float32)
     if HAS_NORM:
@@ -134,13 +151,9 @@ def _merge_bwd_kernel(
         gyh = tl.zeros([BLOCK_T], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask = mask_t[:, None] & (offs_d < D)[None, :]
-            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
+            mask_d = offs_d < D
+            h = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d)
+            gy = common.load_tile(DN, offs_t, D, offs_d, mask_t, mask_d)
             sumsq += tl.sum(h * h, axis=1)
             gyh += tl.sum(gy * h, axis=1)
         hrstd = tl.rsqrt(sumsq / D + norm_eps)
@@ -149,24 +162,10 @@ def _merge_bwd_kernel(
     dw2 = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask = mask_t[:, None] & (offs_d < D)[None, :]
-        dh = tl.load(DH + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
-        if HAS_NORM:
-            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-            dh += hrstd[:, None] * gy - h * cy[:, None]
-        o1 = tl.load(OUT1 + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
-        v = tl.load(PV + offs_t[:, None] * pv_stride + offs_d[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
+        mask_d = offs_d < D
+        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM)
+        o1 = common.load_tile(OUT1, offs_t, D, offs_d, mask_t, mask_d)
+        v = common.load_tile(PV, offs_t, pv_stride, offs_d, mask_t, mask_d)
         dw1 += tl.sum(dh * o1, axis=1)
         dw2 += tl.sum(dh * v, axis=1)
     big_d = w1 * dw1 + w2 * dw2
@@ -177,17 +176,7 @@ def _merge_bwd_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         mask = mask_t[:, None] & mask_d[None, :]
-        dh = tl.load(DH + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-            tl.float32
-        )
-        if HAS_NORM:
-            h = tl.load(H + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-            gy = tl.load(DN + offs_t[:, None] * D + offs_d[None, :], mask=mask, other=0.0).to(
-                tl.float32
-            )
-            dh += hrstd[:, None] * gy - h * cy[:, None]
+        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM)
         tl.store(
             DOUT1 + offs_t[:, None] * D + offs_d[None, :],
             (w1[:, None] * dh).to(DOUT1.dtype.element_ty),
@@ -197,16 +186,9 @@ def _merge_bwd_kernel(
         if SLICED:
             offs_j = offs_d - (D - R)
             mask_j = mask_d & (offs_j >= 0)
-            k = tl.load(
-                PV + offs_t[:, None] * pv_stride + offs_d[None, :],
-                mask=mask_t[:, None] & mask_j[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            q = tl.load(Q + offs_j, mask=mask_j, other=0.0).to(tl.float32)
-            dk = (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
+            k = common.load_tile(PV, offs_t, pv_stride, offs_d, mask_t, mask_j)
+            dk = _key_grad(dlogit, rstd, g, k, Q, DQ + pid * R, offs_j, mask_j)
             dv += tl.where(mask_j[None, :], dk, 0.0)
-            dq = tl.sum((dlogit * rstd)[:, None] * k, axis=0)
-            tl.store(DQ + pid * R + offs_j, dq, mask=mask_j)
         tl.store(
             DPV + offs_t[:, None] * D + offs_d[None, :], dv.to(DPV.dtype.element_ty), mask=mask
         )
@@ -215,16 +197,10 @@ def _merge_bwd_kernel(
             offs_r = r0 + tl.arange(0, BLOCK_R)
             mask_r = offs_r < R
             mask = mask_t[:, None] & mask_r[None, :]
-            k = tl.load(
-                PK + offs_t[:, None] * pk_stride + offs_r[None, :], mask=mask, other=0.0
-            ).to(tl.float32)
-            q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-            dk = (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
+            k = common.load_tile(PK, offs_t, pk_stride, offs_r, mask_t, mask_r)
+            dk = _key_grad(dlogit, rstd, g, k, Q, DQ + pid * R, offs_r, mask_r)
             tl.store(
                 DPK + offs_t[:, None] * R + offs_r[None, :], dk.to(DPK.dtype.element_ty), mask=mask
-            )
-            tl.store(
-                DQ + pid * R + offs_r, tl.sum((dlogit * rstd)[:, None] * k, axis=0), mask=mask_r
             )
 
 
@@ -238,22 +214,48 @@ def _views(out1, lse1, partial_value, partial_key, rank):
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
     """Triton forward of ``composite.merge_fwd`` (same arguments and results)."""
+    launch, h, norm = merge_fwd_launch(
+        out1, lse1, partial_value, partial_key, query, eps, emit_norm
+    )
+    launch()
+    return h, norm
+
+
+def merge_fwd_launch(
+    out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool, gpu=None
+):
+    """``(common.Launch, h, norm)``: what ``merge_fwd`` launches, with its (unwritten) results."""
     rank, shape, d = query.shape[-1], partial_value.shape, partial_value.shape[-1]
     o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
     t = pv.shape[0]
     h = torch.empty((t, d), dtype=pv.dtype, device=pv.device)
     norm = torch.empty_like(h) if emit_norm else h.new_empty(0)
-    _, bt, bd, br, warps = common.blocks(1, d, rank)
-    _merge_fwd_kernel[(triton.cdiv(t, bt),)](
-        o1, l1, pv, pk, query.contiguous(), h, norm if emit_norm else h,
-        pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS,
-        EMIT_NORM=emit_norm, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    _, bt, bd, br, warps = common.blocks(1, d, rank, gpu=gpu)
+    launch = common.Launch(
+        _merge_fwd_kernel,
+        (triton.cdiv(t, bt),),
+        (o1, l1, pv, pk, query.contiguous(), h, norm if emit_norm else h,
+         pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
+        dict(EMIT_NORM=emit_norm, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        warps,
     )  # fmt: skip
-    return h.view(shape), (norm.view(shape) if emit_norm else norm)
+    return launch, h.view(shape), (norm.view(shape) if emit_norm else norm)
 
 
 def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float):
     """Triton backward of ``composite.merge_bwd``; gradients in their tensors' dtypes (dq fp32)."""
+    launch, *grads, dq = merge_bwd_launch(
+        out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps
+    )
+    launch()
+    return (*grads, dq.sum(0))
+
+
+def merge_bwd_launch(
+    out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float, gpu=None
+):
+    """``(common.Launch, d_out1, d_lse1, d_pv, d_pk, dq partials [P, r])``: what ``merge_bwd``
+    launches, with its (unwritten) results."""
     rank, d = query.shape[-1], partial_value.shape[-1]
     o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
     t, dev = pv.shape[0], pv.device
@@ -264,16 +266,18 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     d_lse1 = torch.empty((t,), dtype=torch.float32, device=dev)
     d_pv = torch.empty((t, d), dtype=pv.dtype, device=dev)
     d_pk = None if partial_key is None else torch.empty((t, rank), dtype=pk.dtype, device=dev)
-    _, bt, bd, br, warps = common.blocks(1, d, rank)
+    _, bt, bd, br, warps = common.blocks(1, d, rank, gpu=gpu)
     programs = triton.cdiv(t, bt)
     dq = torch.zeros((programs, rank), dtype=torch.float32, device=dev)
-    _merge_bwd_kernel[(programs,)](
-        o1, l1, pv, pk, query.contiguous(), h.reshape(t, d).contiguous(), dh, dn,
-        d_out1, d_lse1, d_pv, d_pv if d_pk is None else d_pk, dq,
-        pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS,
-        HAS_NORM=has_norm, SLICED=partial_key is None,
-        BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    launch = common.Launch(
+        _merge_bwd_kernel,
+        (programs,),
+        (o1, l1, pv, pk, query.contiguous(), h.reshape(t, d).contiguous(), dh, dn,
+         d_out1, d_lse1, d_pv, d_pv if d_pk is None else d_pk, dq,
+         pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
+        dict(HAS_NORM=has_norm, SLICED=partial_key is None, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        warps,
     )  # fmt: skip
     shape = partial_value.shape
     d_pk = None if d_pk is None else d_pk.view(*shape[:-1], rank)
-    return d_out1.view(shape), d_lse1.view(shape[:-1]), d_pv.view(shape), d_pk, dq.sum(0)
+    return launch, d_out1.view(shape), d_lse1.view(shape[:-1]), d_pv.view(shape), d_pk, dq

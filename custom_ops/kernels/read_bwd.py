@@ -23,6 +23,29 @@ from custom_ops.kernels import common
 
 
 @triton.jit
+def _load_bank_tile(PTR, ct, mask_ct, offs_d, mask_d, D):
+    """fp32 ``[BLOCK_C, BLOCK_T, BLOCK_D]`` tile of a contiguous ``[NC, T, D]`` tensor."""
+    return tl.load(
+        PTR + ct[:, :, None] * D + offs_d[None, None, :],
+        mask=mask_ct[:, :, None] & mask_d[None, None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
+def _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R):
+    """RMSNorm-through-logits backward of one key tile ``k [BLOCK_T, BLOCK_R]`` (key columns
+    ``offs_r``): returns dk and adds Σ_tokens dℓ_c rstd k to the program's partial dq."""
+    q = common.load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)
+    dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
+    dq = tl.sum(dlogit[:, :, None] * (k * rstd[:, None])[None, :, :], axis=1)
+    dq_ptrs = dq_base + offs_c[:, None] * R + offs_r[None, :]
+    mask_cr = mask_c[:, None] & mask_r[None, :]
+    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cr, other=0.0) + dq, mask=mask_cr)
+    return rstd[:, None] * dkbar - k * (rstd * g)[:, None]
+
+
+@triton.jit
 def _read_bwd_kernel(
     TABLE,  # int64 [4, S]: value ptrs, value row strides, key ptrs, key row strides (elements)
     GTABLE,  # int64 [2, S]: grad value ptrs ([T, D] contiguous), grad key ptrs ([T, R] contiguous)
@@ -59,44 +82,17 @@ def _read_bwd_kernel(
     big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
 
     for s in range(S):
-        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
-        v_stride = tl.load(TABLE + S + s)
-        k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
-        k_stride = tl.load(TABLE + 3 * S + s)
-        sumsq = tl.zeros([BLOCK_T], tl.float32)
-        dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask_r = offs_r < R
-            k = tl.load(
-                k_ptr + offs_t[:, None] * k_stride + offs_r[None, :],
-                mask=mask_t[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            q = tl.load(
-                Q + offs_c[:, None] * R + offs_r[None, :],
-                mask=mask_c[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            sumsq += tl.sum(k * k, axis=1)
-            dot += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        rstd = tl.rsqrt(sumsq / R + eps)
-        logit = dot * rstd[None, :]
+        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
+        logit, rstd = common.bank_logits(
+            k_ptr, k_stride, Q, offs_t, mask_t, offs_c, mask_c, R, eps, BLOCK_C, BLOCK_T, BLOCK_R
+        )
         alpha = tl.exp(logit - lse)
         dalpha = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
-            v = tl.load(
-                v_ptr + offs_t[:, None] * v_stride + offs_d[None, :],
-                mask=mask_t[:, None] & mask_d[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            dh = tl.load(
-                DOUT + ct[:, :, None] * D + offs_d[None, None, :],
-                mask=mask_ct[:, :, None] & mask_d[None, None, :],
-                other=0.0,
-            ).to(tl.float32)
+            v = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_d)
+            dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
             dalpha += tl.sum(dh * v[None, :, :], axis=2)
         big_d += alpha * dalpha
         base = SCRATCH + s * 3 * NC * T
@@ -119,70 +115,37 @@ def _read_bwd_kernel(
         # Σ_c dℓ_c ℓ_c · rstd / r: the k-proportional term of the RMSNorm backward
         g = tl.sum(dlogit * logit, axis=0) * rstd / R
         gv_ptr = tl.load(GTABLE + s).to(tl.pointer_type(GV0.dtype.element_ty))
-        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
-        v_stride = tl.load(TABLE + S + s)
+        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
             mask_td = mask_t[:, None] & mask_d[None, :]
-            dh = tl.load(
-                DOUT + ct[:, :, None] * D + offs_d[None, None, :],
-                mask=mask_ct[:, :, None] & mask_d[None, None, :],
-                other=0.0,
-            ).to(tl.float32)
+            dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
             dv = tl.sum(alpha[:, :, None] * dh, axis=0)
             if SLICED:
                 offs_j = offs_d - (D - R)
                 mask_j = mask_d & (offs_j >= 0)
-                k = tl.load(
-                    v_ptr + offs_t[:, None] * v_stride + offs_d[None, :],
-                    mask=mask_t[:, None] & mask_j[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                q = tl.load(
-                    Q + offs_c[:, None] * R + offs_j[None, :],
-                    mask=mask_c[:, None] & mask_j[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
-                dk = rstd[:, None] * dkbar - k * (rstd * g)[:, None]
+                k = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_j)
+                dk = _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_j, mask_j, R)
                 dv += tl.where(mask_j[None, :], dk, 0.0)
-                dq = tl.sum(dlogit[:, :, None] * (k * rstd[:, None])[None, :, :], axis=1)
-                dq_ptrs = dq_base + offs_c[:, None] * R + offs_j[None, :]
-                mask_cj = mask_c[:, None] & mask_j[None, :]
-                tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cj, other=0.0) + dq, mask=mask_cj)
             tl.store(
                 gv_ptr + offs_t[:, None] * D + offs_d[None, :],
                 dv.to(GV0.dtype.element_ty),
                 mask=mask_td,
             )
         if not SLICED:
-            k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
-            k_stride = tl.load(TABLE + 3 * S + s)
             gk_ptr = tl.load(GTABLE + S + s).to(tl.pointer_type(GK0.dtype.element_ty))
             for r0 in range(0, R, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 mask_r = offs_r < R
                 mask_tr = mask_t[:, None] & mask_r[None, :]
-                k = tl.load(
-                    k_ptr + offs_t[:, None] * k_stride + offs_r[None, :], mask=mask_tr, other=0.0
-                ).to(tl.float32)
-                q = tl.load(
-                    Q + offs_c[:, None] * R + offs_r[None, :],
-                    mask=mask_c[:, None] & mask_r[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
-                dk = rstd[:, None] * dkbar - k * (rstd * g)[:, None]
+                k = common.load_tile(k_ptr, offs_t, k_stride, offs_r, mask_t, mask_r)
+                dk = _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R)
                 tl.store(
                     gk_ptr + offs_t[:, None] * R + offs_r[None, :],
                     dk.to(GK0.dtype.element_ty),
                     mask=mask_tr,
                 )
-                dq = tl.sum(dlogit[:, :, None] * (k * rstd[:, None])[None, :, :], axis=1)
-                dq_ptrs = dq_base + offs_c[:, None] * R + offs_r[None, :]
-                mask_cr = mask_c[:, None] & mask_r[None, :]
-                tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cr, other=0.0) + dq, mask=mask_cr)
 
 
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None):
@@ -190,6 +153,18 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_b
 
     Gradients come back in the dtype of the tensor they belong to (values, keys), dq in fp32.
     """
+    launch, grad_values, grad_keys, dq = read_bwd_launch(
+        values, keys, queries, lse, grad_out, grad_lse, eps, block_budget
+    )
+    launch()
+    return grad_values, grad_keys, dq.sum(0)
+
+
+def read_bwd_launch(
+    values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None, gpu=None
+):
+    """``(common.Launch, grad_values, grad_keys, dq partials [P, C, r])``: what ``read_bwd``
+    launches, with its (unwritten) results. ``gpu`` is passed to ``common.blocks``."""
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     nc, rank = queries.shape
     dev = queries.device
@@ -207,17 +182,20 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_b
     gk = None if k2 is None else [torch.empty((t, rank), dtype=k.dtype, device=dev) for k in k2]
     gtable = common.pointer_table(gv + (gv if gk is None else gk), dev)
     table = common.source_table(v2, k2, rank, dev)
-    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget)
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu)
     programs = triton.cdiv(t, bt)
     scratch = torch.empty((n, 3, nc, t), dtype=torch.float32, device=dev)
     rstd = torch.empty((n, t), dtype=torch.float32, device=dev)
     dq = torch.zeros((programs, nc, rank), dtype=torch.float32, device=dev)
-    _read_bwd_kernel[(programs,)](
-        table, gtable, v2[0], v2[0] if k2 is None else k2[0], gv[0], gv[0] if gk is None else gk[0],
-        queries.contiguous(), lse2, dout, dlse, scratch, rstd, dq,
-        n, t, d, rank, nc, eps,
-        SLICED=k2 is None, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    launch = common.Launch(
+        _read_bwd_kernel,
+        (programs,),
+        (table, gtable, v2[0], v2[0] if k2 is None else k2[0], gv[0],
+         gv[0] if gk is None else gk[0], queries.contiguous(), lse2, dout, dlse, scratch, rstd, dq,
+         n, t, d, rank, nc, eps),
+        dict(SLICED=k2 is None, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        warps,
     )  # fmt: skip
     grad_values = [g.view(*lead, d) for g in gv]
     grad_keys = None if gk is None else [g.view(*lead, rank) for g in gk]
-    return grad_values, grad_keys, dq.sum(0)
+    return launch, grad_values, grad_keys, dq

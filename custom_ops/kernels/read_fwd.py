@@ -45,40 +45,19 @@ def _read_fwd_kernel(
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_c = tl.arange(0, BLOCK_C)
     mask_t, mask_d, mask_c = offs_t < T, offs_d < D, offs_c < NC
-    mask_td = mask_t[:, None] & mask_d[None, :]
 
     m = tl.full([BLOCK_C, BLOCK_T], float("-inf"), tl.float32)
     z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_C, BLOCK_T, BLOCK_D], tl.float32)
     for s in range(S):
-        v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
-        v_stride = tl.load(TABLE + S + s)
-        k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
-        k_stride = tl.load(TABLE + 3 * S + s)
-        sumsq = tl.zeros([BLOCK_T], tl.float32)
-        dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask_r = offs_r < R
-            k = tl.load(
-                k_ptr + offs_t[:, None] * k_stride + offs_r[None, :],
-                mask=mask_t[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            q = tl.load(
-                Q + offs_c[:, None] * R + offs_r[None, :],
-                mask=mask_c[:, None] & mask_r[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            sumsq += tl.sum(k * k, axis=1)
-            dot += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-        logit = dot * tl.rsqrt(sumsq / R + eps)[None, :]
+        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
+        logit, _ = common.bank_logits(
+            k_ptr, k_stride, Q, offs_t, mask_t, offs_c, mask_c, R, eps, BLOCK_C, BLOCK_T, BLOCK_R
+        )
         m_new = tl.maximum(m, logit)
         scale = tl.exp(m - m_new)
         p = tl.exp(logit - m_new)
-        v = tl.load(
-            v_ptr + offs_t[:, None] * v_stride + offs_d[None, :], mask=mask_td, other=0.0
-        ).to(tl.float32)
+        v = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_d)
         acc = acc * scale[:, :, None] + p[:, :, None] * v[None, :, :]
         z = z * scale + p
         m = m_new
@@ -102,6 +81,14 @@ def read_fwd(values, keys, queries, eps: float, out_dtype=None, block_budget=Non
     queries ``[C, r]``. Returns ``(out [C, ..., d], lse [C, ...] fp32)``, out in ``out_dtype``
     (default fp32).
     """
+    launch, out, lse = read_fwd_launch(values, keys, queries, eps, out_dtype, block_budget)
+    launch()
+    return out, lse
+
+
+def read_fwd_launch(values, keys, queries, eps: float, out_dtype=None, block_budget=None, gpu=None):
+    """``(common.Launch, out, lse)``: what ``read_fwd`` launches, with its (unwritten) results.
+    ``gpu`` is passed to ``common.blocks``."""
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     nc, rank = queries.shape
     v2 = [common.rows(v) for v in values]
@@ -111,11 +98,13 @@ def read_fwd(values, keys, queries, eps: float, out_dtype=None, block_budget=Non
     q = queries.contiguous()
     out = torch.empty((nc, t, d), dtype=out_dtype or torch.float32, device=q.device)
     lse = torch.empty((nc, t), dtype=torch.float32, device=q.device)
-    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget)
-    grid = (triton.cdiv(t, bt), triton.cdiv(d, bd))
-    _read_fwd_kernel[grid](
-        table, v2[0], v2[0] if k2 is None else k2[0], q, out, lse,
-        len(v2), t, d, rank, nc, eps,
-        BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br, num_warps=warps,
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu)
+    launch = common.Launch(
+        _read_fwd_kernel,
+        (triton.cdiv(t, bt), triton.cdiv(d, bd)),
+        (table, v2[0], v2[0] if k2 is None else k2[0], q, out, lse,
+         len(v2), t, d, rank, nc, eps),
+        dict(BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        warps,
     )  # fmt: skip
-    return out.view(nc, *lead, d), lse.view(nc, *lead)
+    return launch, out.view(nc, *lead, d), lse.view(nc, *lead)
