@@ -72,16 +72,21 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     rank = q.shape[-1]
     dh = None if grad_out is None else grad_out.float()
     # pass 1: logits and dα_s per source (O(S) floats per token), then D = Σ α dα
-    cache, big_d = [], 0.0
+    cache, big_d, z = [], 0.0, 0.0
     for s, v in enumerate(values):
         logit, kbar, rstd = _logits(_key(values, keys, s, rank), q, eps)
         alpha = torch.exp(logit - lse)
         dalpha = torch.zeros_like(alpha) if dh is None else (dh * v.float()).sum(-1)
         big_d = big_d + alpha * dalpha
+        z = z + alpha
         cache.append((alpha, dalpha, kbar, rstd))
+    # e^{ℓ-lse} sums to 1 only up to rounding, and dα - D amplifies that error for a dominant
+    # source: renormalised, the gradients are as exact as the eager softmax's.
+    big_d = big_d / z
     grad_values, grad_keys, grad_q = [], [], torch.zeros_like(q)
     for s, v in enumerate(values):
         alpha, dalpha, kbar, rstd = cache[s]
+        alpha = alpha / z
         dlogit = alpha * (dalpha - big_d)
         if grad_lse is not None:
             dlogit = dlogit + alpha * grad_lse.float()

@@ -3,7 +3,8 @@
 A program owns BLOCK_T tokens (all d, looping over d tiles) and walks the sources twice:
 
     pass 1, per source:  ℓ_{c,s}, rstd_s (key loop), α = e^{ℓ-lse}, dα_{c,s} = <dh_c, v_s>,
-                         Dc += α dα.  (α, dα, ℓ, rstd) go to a small fp32 scratch, O(S) per token.
+                         Dc += α dα, Zc += α.  (α, dα, ℓ, rstd) go to a small fp32 scratch.
+    renormalise:         α ← α / Z, D ← D / Z (Z = 1 up to rounding; see pass 2)
     pass 2, per source:  dℓ = α (dα - D + dlse)
                          dv_s = Σ_c α_c dh_c                 (+ dk in the tail if sliced)
                          dk_s = rstd (Σ_c dℓ_c q_c - k_s rstd Σ_c dℓ_c ℓ_c / r)  (RMSNorm bwd)
@@ -80,6 +81,7 @@ def _read_bwd_kernel(
     mask_ct = mask_c[:, None] & mask_t[None, :]
     lse = tl.load(LSE + ct, mask=mask_ct, other=0.0)
     big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
 
     for s in range(S):
         v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
@@ -95,6 +97,7 @@ def _read_bwd_kernel(
             dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
             dalpha += tl.sum(dh * v[None, :, :], axis=2)
         big_d += alpha * dalpha
+        z += alpha
         base = SCRATCH + s * 3 * NC * T
         tl.store(base + ct, alpha, mask=mask_ct)
         tl.store(base + NC * T + ct, dalpha, mask=mask_ct)
@@ -103,11 +106,15 @@ def _read_bwd_kernel(
 
     # pass 2 reads scratch written by other threads of this program
     tl.debug_barrier()
+    # Renormalise: e^{ℓ-lse} sums to 1 only up to rounding, and in dα - D that error is
+    # amplified for a dominant source; with α/Σα the result is as exact as the eager softmax.
+    inv_z = tl.where(mask_ct, 1.0 / z, 0.0)
+    big_d = big_d * inv_z
     dlse = tl.load(DLSE + ct, mask=mask_ct, other=0.0)
     dq_base = DQ + pid * NC * R
     for s in range(S):
         base = SCRATCH + s * 3 * NC * T
-        alpha = tl.load(base + ct, mask=mask_ct, other=0.0)
+        alpha = tl.load(base + ct, mask=mask_ct, other=0.0) * inv_z
         dalpha = tl.load(base + NC * T + ct, mask=mask_ct, other=0.0)
         logit = tl.load(base + 2 * NC * T + ct, mask=mask_ct, other=0.0)
         rstd = tl.load(RSTD + s * T + offs_t, mask=mask_t, other=0.0)
