@@ -26,6 +26,27 @@ def test_fused_backend_matches_reference(build, variant, blocks, backend):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fused_backend_matches_reference_in_bf16(build, variant):
+    """bf16 parameters and activations (FSDP's compute dtype on GPU): the two read paths agree to
+    bf16 rounding in the loss and every gradient (relative RMS)."""
+    kw = dict(variant=variant, blocks=3, rank=16, dtype=torch.bfloat16)
+    ref = build(depth_backend="reference", **kw)
+    fused = build(depth_backend="compiled", **kw)
+    fused.load_state_dict(ref.state_dict())
+    tokens = torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for model in (ref, fused):
+        logits = model(tokens[:, :-1]).float()
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-3, atol=2e-3)
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+        a, b = q.grad.double(), p.grad.double()
+        assert (a - b).norm() <= 0.02 * b.norm() + 1e-6, name  # measured <= 0.0075
+
+
 def test_phase1_runs_once_per_block(build, monkeypatch):
     """Each completed source set is read once per block, not once per read site."""
     import custom_ops
