@@ -2,8 +2,9 @@
 
 For every read site t = 1..2L the routing weights over its sources are recomputed with the eager
 reference maths (``custom_ops.reference.depth_logits`` + softmax, fp32) while the model's own
-forward runs unchanged (:func:`capture_routing` mirrors ``LRAttnResModel.forward`` and reads
-``router.sources(state)`` / ``router.query(t)`` after each step), so the analysed numbers are
+forward runs unchanged (:func:`capture_routing` runs the model's own depth loop,
+``LRAttnResModel.run_depth``, and reads ``router.sources(state)`` / ``router.query(t)`` at each
+site), so the analysed numbers are
 those of the model, whatever depth backend it uses.
 
 Per site, over all analysed tokens (α ``[S_t, tokens]``):
@@ -62,16 +63,18 @@ def capture_routing(model, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tor
     router = model.router
     if router.variant == "baseline":
         raise ValueError("the baseline variant has no depth routing (standard residual stream)")
-    h = model.tok_embeddings(tokens)
-    state = router.start(h)
     alphas = []
-    for j, layer in enumerate(model.layers.values(), start=1):
-        h = router.step(state, j, layer(h, None, None))
+
+    def on_read(j, state):
         values, keys = router.sources(state)
         if keys is None:
             keys = reference.sliced_keys(values, router.rank)
         logits = reference.depth_logits(keys, router.query(j), router.eps)
         alphas.append(torch.softmax(logits, dim=0))
+
+    h = model.run_depth(
+        model.tok_embeddings(tokens), lambda j, layer, x: layer(x, None, None), on_read
+    )
     return model.lm_head(model.norm(h)), alphas
 
 

@@ -90,13 +90,13 @@ def _sublayer_cached(layer, h, cache: KVCache, j: int, positions: torch.Tensor):
 @torch.no_grad()
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits ``[B, T, V]`` of ``tokens [B, T]`` at positions ``cache.length ..``; the cache
-    grows by T. Mirrors ``LRAttnResModel.forward`` (depth reads on these tokens only)."""
+    grows by T. The model's own depth loop (``run_depth``) with cached attention sublayers."""
     t = tokens.shape[1]
     positions = torch.arange(cache.length, cache.length + t, device=tokens.device)[None]
-    h = model.tok_embeddings(tokens)
-    state = model.router.start(h)
-    for j, layer in enumerate(model.layers.values(), start=1):
-        h = model.router.step(state, j, _sublayer_cached(layer, h, cache, j, positions))
+    h = model.run_depth(
+        model.tok_embeddings(tokens),
+        lambda j, layer, x: _sublayer_cached(layer, x, cache, j, positions),
+    )
     cache.length += t
     return model.lm_head(model.norm(h))
 

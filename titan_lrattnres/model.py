@@ -122,16 +122,28 @@ class LRAttnResModel(Decoder):
         super().__init__(config)
         self.router = config.router.build()
 
+    def run_depth(self, embedding: torch.Tensor, sublayer_fn, on_read=None) -> torch.Tensor:
+        """The depth loop: site 0 is the embedding; sublayer j writes ``sublayer_fn(j, layer,
+        h_{j-1})`` and site j reads. ``on_read(j, state)`` sees every site's sources. Shared by
+        ``forward``, cached decoding and the routing analysis. Returns ``h_M``."""
+        state = self.router.start(embedding)
+        h = embedding
+        for j, layer in enumerate(self.layers.values(), start=1):
+            h = self.router.step(state, j, sublayer_fn(j, layer, h))
+            if on_read is not None:
+                on_read(j, state)
+        return h
+
     def forward(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         attention_masks: AttentionMasksType | None = None,
     ):
-        h = self.tok_embeddings(tokens)
-        state = self.router.start(h)
-        for j, layer in enumerate(self.layers.values(), start=1):
-            h = self.router.step(state, j, layer(h, attention_masks, positions))
+        h = self.run_depth(
+            self.tok_embeddings(tokens),
+            lambda j, layer, x: layer(x, attention_masks, positions),
+        )
         h = self.norm(h)
         if self._skip_lm_head:
             return h
