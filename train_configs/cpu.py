@@ -40,9 +40,9 @@ def cpu_smoke():
     )
 
 
-def _cpu_default(variant: str, name: str, **override):
+def _cpu_default(variant: str, name: str, full: bool = False):
     blocks, rank = CPU_VARIANTS[variant]
-    blocks = override.get("blocks", blocks)
+    blocks = None if full else blocks
     return make_config(
         name=name,
         flavor="cpu_small",
@@ -71,7 +71,7 @@ def cpu_default_baseline():
 
 
 def cpu_default_attnres_full():
-    return _cpu_default("attnres", "cpu_default_attnres_full", blocks=None)
+    return _cpu_default("attnres", "cpu_default_attnres_full", full=True)
 
 
 def cpu_default_attnres():

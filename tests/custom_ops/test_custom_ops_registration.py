@@ -103,17 +103,22 @@ def _run_grads(fn, values, keys, query, bank):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("sliced", [True, False])
-def test_compile_aot_eager_fullgraph(sliced):
-    values, keys, query = _inputs(sliced)
+def _check_compiled(backend: str, sliced: bool, dtype: torch.dtype):
+    """``_model`` compiled with ``fullgraph=True`` gives the eager loss and every gradient."""
+    values, keys, query = _inputs(sliced, dtype)
     bank = torch.randn(2, 5, requires_grad=True)
     want = _run_grads(_model, values, keys, query, bank)
     torch._dynamo.reset()
-    compiled = torch.compile(_model, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(_model, fullgraph=True, backend=backend)
     got = _run_grads(compiled, values, keys, query, bank)
-    assert_close("loss", got[0], want[0], torch.float32)
+    assert_close("loss", got[0], want[0], dtype)
     for a, b in zip(got[1], want[1], strict=True):
-        assert_close("grad", a, b, torch.float32)
+        assert_close("grad", a, b, dtype)
+
+
+@pytest.mark.parametrize("sliced", [True, False])
+def test_compile_aot_eager_fullgraph(sliced):
+    _check_compiled("aot_eager", sliced, torch.float32)
 
 
 @pytest.mark.slow
@@ -121,15 +126,7 @@ def test_compile_inductor(tmp_path, monkeypatch):
     # a warm inductor cache once served a stale op body (PLATFORM.md)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
-    values, keys, query = _inputs(False, torch.bfloat16)
-    bank = torch.randn(2, 5, requires_grad=True)
-    want = _run_grads(_model, values, keys, query, bank)
-    torch._dynamo.reset()
-    compiled = torch.compile(_model, fullgraph=True, backend="inductor")
-    got = _run_grads(compiled, values, keys, query, bank)
-    assert_close("loss", got[0], want[0], torch.bfloat16)
-    for a, b in zip(got[1], want[1], strict=True):
-        assert_close("grad", a, b, torch.bfloat16)
+    _check_compiled("inductor", False, torch.bfloat16)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path)
 
 
