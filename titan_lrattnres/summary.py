@@ -59,7 +59,7 @@ def build_summary(trainer) -> dict:
     }
 
 
-def plot_loss(trainer, path: str, title: str) -> None:
+def plot_loss(trainer, path: str, title: str, unigram_entropy: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,9 +80,8 @@ def plot_loss(trainer, path: str, title: str) -> None:
             "o",
             label="validation",
         )
-    stats = _corpus_stats(trainer.config.dataloader.dataset)
-    if "unigram_entropy" in stats:
-        ax.axhline(stats["unigram_entropy"], ls="--", c="gray", lw=1, label="unigram entropy")
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, ls="--", c="gray", lw=1, label="unigram entropy")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title(title)
@@ -101,5 +100,5 @@ def write_summary(trainer) -> dict:
     with open(os.path.join(folder, "loss_history.json"), "w") as f:
         json.dump(trainer.history, f)
     title = f"{summary['config'] or summary['flavor']} ({summary['variant']})"
-    plot_loss(trainer, os.path.join(folder, "loss.png"), title)
+    plot_loss(trainer, os.path.join(folder, "loss.png"), title, summary.get("unigram_entropy"))
     return summary
