@@ -56,6 +56,11 @@ def _validate(values, keys, query, query_dim: int):
         for i, k in enumerate(keys):
             if k.device != v0.device:
                 raise ValueError(f"key {i} is on {k.device}, values on {v0.device}")
+            # the kernels read every key as key 0's type; one dtype per call, as for values
+            if k.dtype != keys[0].dtype:
+                raise ValueError(
+                    f"key {i} is {k.dtype}, key 0 is {keys[0].dtype}: keys must share one dtype"
+                )
     reference._check(values, keys, query)
     if query.device != v0.device:
         raise ValueError(f"query is on {query.device}, values on {v0.device}")

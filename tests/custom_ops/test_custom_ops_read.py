@@ -147,3 +147,39 @@ def test_eps_is_used():
     c = reference.depth_read(values, ref_keys, query)
     assert_close("eps=10", a, b, torch.float32)
     assert (a - c).abs().max() > 1e-3
+
+
+def _strided(tokens, width, dtype, g, scale=1.0):
+    """Every other column of a ``[tokens, 2·width]`` tensor: a non-contiguous source."""
+    return (torch.randn(tokens, 2 * width, generator=g) * scale).to(dtype)[:, ::2].requires_grad_()
+
+
+@pytest.mark.parametrize("sliced", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_non_contiguous_sources_read_correctly(sliced, dtype):
+    g = torch.Generator().manual_seed(3)
+    values = [_strided(64, 1024, dtype, g, 0.5 + s) for s in range(5)]
+    r = 24
+    keys = None if sliced else [_strided(64, r, dtype, g) for _ in values]
+    query = (2 * torch.randn(r, generator=g)).requires_grad_()
+    assert not values[0].is_contiguous()
+    inputs = leaves(values, keys, query)
+    ref_keys = keys if keys is not None else reference.sliced_keys(values, r)
+    got, got_g = grads_of(
+        lambda: custom_ops.depth_read_lse(values, keys, query, backend=BACKEND), inputs
+    )
+    want, want_g = grads_of(lambda: reference.depth_read_with_lse(values, ref_keys, query), inputs)
+    assert_close("out", got[0], want[0], dtype)
+    for i, (a, b) in enumerate(zip(got_g, want_g, strict=True)):
+        assert_close(f"grad of input {i}", a, b, dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", BACKEND])
+def test_mixed_key_dtypes_are_refused_by_name(backend):
+    case = ReadCase((7,), 16, 8, 3, False, torch.float32, seed=5)
+    values, keys, query = make_read(case)
+    keys = [keys[0], keys[1].bfloat16(), keys[2].half()]
+    with pytest.raises(ValueError, match=r"key 1 is torch.bfloat16, key 0 is torch.float32"):
+        custom_ops.depth_read(values, keys, query, backend=backend)
+    with pytest.raises(ValueError, match=r"key 1 is torch.bfloat16"):
+        custom_ops.block_read(values, keys, query[None], backend=backend)
