@@ -44,7 +44,7 @@ class DepthState:
     keys: list[torch.Tensor] = field(default_factory=list)
     partial: torch.Tensor | None = None
     partial_key: torch.Tensor | None = None
-    phase1: tuple[torch.Tensor, torch.Tensor, int] | None = None  # (out [c,...], lse, first site)
+    phase1: tuple | None = None  # (per-site outs [..., d], per-site lses, first site)
     running: torch.Tensor | None = None  # baseline residual stream
 
 
@@ -144,7 +144,9 @@ class DepthRouter(Module):
         keys = [state.embedding_key, *state.keys] if self.projected else None
         queries = self.query_bank[first - 1 : nxt - 1]
         out, lse = custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
-        state.phase1 = (out, lse, first)
+        # unbind, not out[i]: autograd then stacks the sites' gradients once, where each
+        # select's backward would zero-fill and add a whole [c, ..., d] buffer per site
+        state.phase1 = (out.unbind(0), lse.unbind(0), first)
 
     def _read_two_phase(self, state: DepthState, t: int) -> torch.Tensor:
         if state.partial is None:  # t is a block end: completed sources only
