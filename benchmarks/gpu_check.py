@@ -7,46 +7,50 @@ image lacks and calls this). Sections, in order; each writes its result or its e
 2. ``grad_parity``: ``block_read`` and ``merge_partial`` (with the fused RMSNorm), every output
    and every gradient vs ``custom_ops.reference``, fp32 and bf16, sliced and projected keys.
 3. ``graph_parity``: read forward + backward, block read, merge captured in one CUDA graph each,
-   inputs changed in place, replayed, compared with a fresh eager call (skipped on CPU).
-4. ``trainer``: ``python -m titan_lrattnres.train cpu_smoke`` for 3 steps + validation, a
-   subprocess started first so its ~20 s of start-up overlaps sections 1-3 (none of them times).
+   inputs changed in place, replayed, compared with a fresh eager call (skipped on CPU). In its
+   own process: a failed capture cannot leave this process's CUDA context unusable.
+4. ``trainer``: ``python -m titan_lrattnres.train cpu_smoke`` for 3 steps + validation.
+   Sections 3 and 4 are subprocesses started first: their ~20 s of start-up overlaps sections
+   1-2, which time nothing.
 5. ``op_bandwidth``: ``benchmarks.ops`` with the Triton backend, sliced keys r=64, d in {1024,
-   4096} x S in {5, 9, 17, 49}, 16k tokens, bf16; GB/s of the minimal bytes and their share of
+   4096} x S in {5, 9, 17, 49}, 16k tokens, bf16: GB/s of the minimal bytes and their share of
    the copy bandwidth measured in the same run.
-6. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model (L=24 d=1024 T=2048,
-   16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled)
-   per variant, forward + backward (no optimizer: the same step as the CPU bars), ratio to the
-   baseline within each round, median over rounds.
-7. ``step_ratios_cuda_graphs``: the same with the step captured in a CUDA graph.
-8. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
+6. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model at L=24 d=1024 T=2048
+   (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled) per
+   variant, forward + backward (no optimizer: the step of the CPU bars), ratio to the baseline
+   within each round, median over rounds.
+7. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
    backward, on the shapes each supports, with agreement vs our reference (skipped on CPU).
+8. ``step_ratios_cuda_graphs``: section 6 with the whole step captured in a CUDA graph; last,
+   since a failed capture may leave the CUDA context unusable.
 
 Targets, stated in the JSON (``targets``) against the numbers of the same run: read forward >= 90 %
 and forward + backward >= 75 % of the copy bandwidth (every op_bandwidth row); step overhead
-<= 3 % sliced Block N=8 r=64 and <= 5 % projected Block N=8 r=32 (both step_ratios sections);
-ours faster than every peer on every shape both support.
+<= 3 % sliced Block N=8 r=64 and <= 5 % projected Block N=8 r=32 (sections 6 and 8); ours faster
+than every peer on every shape both support. Targets do not set the exit status; a section's
+error and a failed parity do.
 
-Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` kills it at 360 s): the GPU work
-itself is seconds (a 16k-token read moves 0.3-3 GB at ~4 TB/s: < 1 ms; a paper-shape step is
-~10-50 ms), so every section is sized by compilation, and each has a cap (``CAPS``, a hard
-stop) inside a 330 s deadline (the rest is pip and imports). ops_check: opcheck runs each op
-~5 times through aot_dispatch and the compiled impl is inductor-compiled per shape (cap 60 s);
-grad_parity uses the Triton backend only on GPU (the compiled backend is covered on CPU by the
-tests; its inductor compiles would cost ~1 min); parity shapes are 1,200 tokens, d=1000: odd
-sizes, milliseconds. op_bandwidth: triton only (the compiled backend's inductor compiles cost
-~1 min and carry no target), 20 timed calls per shape between CUDA events (a 100 us kernel:
-median of 20 is stable to ~1 %); 8 shapes x a few Triton compiles (cap 45 s).
-step_ratios: 3 variants (the baseline and the two with targets; standard Block N=8 and Full have
-none and would add ~40 s of compile each); the cost is inductor compiling the sublayer graphs
-(estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x <= 50 ms = 3 s of timing;
-GPU steps vary by ~1 %, so 20 rounds give a median within a few tenths of a point (cap 150 s).
-The CUDA-graph run re-uses the compiled graphs (dynamo and the inductor cache of this run):
-capture + 10 rounds (cap 60 s). peers: the peers autotune on first call (fla-core 58 configs,
-fast-attnres ~106 per rank, flash-attn-res ~20, liger none), ~0.5 s per config, left as shipped
-(pruning their configs would handicap them), so one shape (d=1024, S=9: the paper's Block N=8
-read) costs ~2 min; rows run in priority order (r=d peers, then r=64, then d=4096, S=17) until
-the deadline, the rest reported as skipped; ``--sections peers`` alone gives them ~5 min.
-The dry run (``--dry-run``: CPU, tiny shapes, eager sublayers) runs every code path in < 1 min.
+Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` gives Python the end of its 345 s
+and kills it at 360 s): the GPU work itself is seconds (a 16k-token read moves 0.3-3 GB at ~4
+TB/s: < 1 ms; a paper-shape step is ~10-50 ms), so sections are sized by compilation, each under
+a cap (``CAPS``, a hard stop). ops_check: opcheck runs each op ~5 times through aot_dispatch and
+the compiled impl is inductor-compiled per shape (cap 60 s). grad_parity: the Triton backend only
+on GPU (the compiled one is covered on CPU by the tests; on CUDA its 8 inductor compiles would
+cost ~1 min); 1,200 tokens, d=1000 (odd sizes): milliseconds. op_bandwidth: Triton only (the
+compiled backend's inductor compiles cost ~1 min and carry no target), 20 timed calls per shape
+between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 8 shapes x a few Triton
+compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targets (standard
+Block N=8 and Full have none and would add ~40 s of compile each); inductor compiling the
+sublayer graphs dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x
+<= 50 ms = 3 s of timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to
+a few tenths of a point (cap 150 s). peers: they autotune on the first call (liger none,
+flash-attn-res ~20 configs, fla-core 58, fast-attnres ~106 per rank), ~0.5 s per config, left
+as shipped (pruning their configs would handicap them); rows run cheapest first, r=64 before
+r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9) and (1024, 17), until the
+deadline less section 8's cap; the rest are reported as skipped (``--sections peers`` alone gives
+them ~5 min). step_ratios_cuda_graphs re-uses section 6's compiled graphs (dynamo and this run's
+inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes,
+eager sublayers) runs every section in ~30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -71,9 +75,10 @@ from benchmarks import gpu_parity, peers
 from benchmarks import ops as op_bench
 
 DEADLINE_S = 330.0
-CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 20, "trainer": 60,
-        "op_bandwidth": 45, "step_ratios": 150, "step_ratios_cuda_graphs": 60,
-        "peers": 330}  # fmt: skip
+# Run in this order; "peers" gets what is left but the last section's cap.
+CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60,
+        "op_bandwidth": 45, "step_ratios": 150, "peers": 330,
+        "step_ratios_cuda_graphs": 60}  # fmt: skip
 VARIANTS = ("baseline", "sliced8_r64", "projected8_r32")
 TARGETS = {"fwd_pct_copy": 90.0, "fwd_bwd_pct_copy": 75.0,
            "sliced8_r64": 3.0, "projected8_r32": 5.0}  # fmt: skip
@@ -91,16 +96,38 @@ def _alarm(signum, frame):
 # Sections
 
 
-def trainer_start(tmp: Path):
-    """Start ``cpu_smoke`` for 3 steps (it inherits PYTHONPATH, so the compat patches too)."""
-    dump = tmp / "trainer"
+def start(name: str, cmd: list[str], tmp: Path, env: dict | None = None) -> dict:
+    """A section's subprocess, started before the first section: sections 1-3 time nothing, so
+    its start-up (~20 s of imports) overlaps them."""
+    log = open(tmp / f"{name}.log", "w")  # noqa: SIM115 (closed in finish)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return dict(proc=proc, cmd=cmd, log=log, t0=time.perf_counter())
+
+
+def finish(res, started, timeout) -> list[str]:
+    """Wait (at most ``timeout`` s), record exit status and seconds; the log's last lines."""
+    proc = started["proc"]
+    try:
+        res["rc"] = proc.wait(timeout=max(timeout, 1))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        res["rc"] = proc.wait()
+        res["error"] = f"killed after {timeout:.0f} s"
+    started["log"].close()
+    res["seconds"] = time.perf_counter() - started["t0"]
+    lines = Path(started["log"].name).read_text(errors="replace").splitlines()
+    tail = [ln for ln in lines if not re.match(r"[WI]\d{4} ", ln)][-25:]  # no torch logs
+    if res["rc"] != 0 and "error" not in res:
+        res["error"] = f"exit status {res['rc']}: " + "\n".join(tail[-8:])
+    return tail
+
+
+def trainer_start(tmp: Path) -> dict:
+    """``cpu_smoke`` for 3 steps + validation (PYTHONPATH, hence the compat patches, inherited)."""
     cmd = [sys.executable, "-m", "titan_lrattnres.train", "cpu_smoke", "--training.steps", "3",
            "--validator.steps", "2", "--checkpoint.no-enable",
-           "--dump_folder", str(dump)]  # fmt: skip
-    log = open(tmp / "trainer.log", "w")  # noqa: SIM115 (closed in trainer_finish)
-    env = {**os.environ, **_corpus_env()}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return dict(proc=proc, cmd=cmd, dump=dump, log=log, t0=time.perf_counter())
+           "--dump_folder", str(tmp / "trainer")]  # fmt: skip
+    return start("trainer", cmd, tmp, env={**os.environ, **_corpus_env()})
 
 
 def _corpus_env() -> dict:
@@ -119,23 +146,26 @@ def _corpus_env() -> dict:
 
 
 def trainer_finish(res, started, timeout):
-    proc = started["proc"]
     res["cmd"] = " ".join(started["cmd"][1:])
-    try:
-        res["rc"] = proc.wait(timeout=max(timeout, 1))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        res["rc"] = proc.wait()
-        res["error"] = f"killed after {timeout:.0f} s"
-    started["log"].close()
-    res["seconds"] = time.perf_counter() - started["t0"]
-    lines = Path(started["log"].name).read_text(errors="replace").splitlines()
-    res["tail"] = [ln for ln in lines if not re.match(r"[WI]\d{4} ", ln)][-25:]  # no torch logs
-    summary = started["dump"] / "summary.json"
+    res["tail"] = finish(res, started, timeout)
+    summary = Path(started["cmd"][-1]) / "summary.json"
     if summary.exists():
         res["summary"] = json.loads(summary.read_text())
-    if res["rc"] != 0 and "error" not in res:
-        res["error"] = f"exit status {res['rc']}"
+
+
+def graph_start(tmp: Path, dry: bool) -> dict:
+    """graph_parity in its own process: a failed capture cannot harm the timing sections."""
+    cmd = [sys.executable, "-m", "benchmarks.gpu_parity", str(tmp / "graph_parity.json")]
+    return start("graph_parity", cmd + (["--dry-run"] if dry else []), tmp)
+
+
+def graph_finish(res, started, timeout):
+    tail = finish(res, started, timeout)
+    out = Path(started["cmd"][3])
+    if out.exists():
+        res.update(json.loads(out.read_text()))
+    elif "error" not in res:
+        res["error"] = "no result written: " + "\n".join(tail[-8:])
 
 
 def op_bandwidth(res, device, dry):
@@ -253,26 +283,37 @@ def main(argv=None):
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
-    started = trainer_start(tmp) if "trainer" in wanted else None
+    bg = {}
+    if "trainer" in wanted:
+        bg["trainer"] = trainer_start(tmp)
+    if "graph_parity" in wanted:
+        bg["graph_parity"] = graph_start(tmp, dry)
+
+    def wait_for(name):  # 2 s inside the section's cap, so the wait ends before the alarm
+        return min(CAPS[name], deadline - time.perf_counter()) - 2
+
+    # peers leave the CUDA-graph step section its cap: it comes last, as a failed capture of a
+    # whole step could leave this process's CUDA context unusable
+    reserve = CAPS["step_ratios_cuda_graphs"] if "step_ratios_cuda_graphs" in wanted else 0
     sections = {
         "ops_check": lambda res: res.update(gpu_parity.check_ops(device, dry)),
         "grad_parity": lambda res: res.update(gpu_parity.grad_parity(device, dry)),
-        "graph_parity": lambda res: res.update(gpu_parity.graph_parity(device, dry)),
-        # waits 2 s less than the section's cap, so the wait ends before the alarm
-        "trainer": lambda res: trainer_finish(
-            res, started, min(CAPS["trainer"], deadline - time.perf_counter()) - 2
-        ),
+        "graph_parity": lambda res: graph_finish(res, bg["graph_parity"], wait_for("graph_parity")),
+        "trainer": lambda res: trainer_finish(res, bg["trainer"], wait_for("trainer")),
         "op_bandwidth": lambda res: op_bandwidth(res, device, dry),
         "step_ratios": lambda res: step_ratios(res, device, dry, cuda_graphs=False),
+        "peers": lambda res: peers.run(
+            res, device, dry, deadline - reserve - 15, repeat=3 if dry else 20
+        ),
         "step_ratios_cuda_graphs": lambda res: step_ratios(res, device, dry, cuda_graphs=True),
-        "peers": lambda res: peers.run(res, device, dry, deadline - 10, repeat=3 if dry else 20),
     }
     signal.signal(signal.SIGALRM, _alarm)
     try:
-        run_sections(sections, wanted, result, deadline, t_start, path)
-    finally:  # a trainer skipped for time must not outlive the check
-        if started and started["proc"].poll() is None:
-            started["proc"].kill()
+        run_sections(sections, wanted, result, deadline, reserve, t_start, path)
+    finally:  # a subprocess skipped for time must not outlive the check
+        for started in bg.values():
+            if started["proc"].poll() is None:
+                started["proc"].kill()
     report(result, wanted)
 
     failed = [n for n in wanted if "error" in result[n]]
@@ -283,11 +324,11 @@ def main(argv=None):
     return 0 if not failed else 1
 
 
-def run_sections(sections, wanted, result, deadline, t_start, path):
+def run_sections(sections, wanted, result, deadline, reserve, t_start, path):
     """Each section in turn under its cap; the JSON is rewritten after every one."""
     for name in (n for n in sections if n in wanted):
         res = result[name] = {}
-        left = deadline - time.perf_counter()
+        left = deadline - time.perf_counter() - (reserve if name == "peers" else 0)
         t0 = time.perf_counter()
         if left < 5:
             res["skipped"] = f"time budget: {left:.0f} s left of {DEADLINE_S:.0f} s"
