@@ -31,50 +31,57 @@ def _key(values, keys, s: int, rank: int) -> torch.Tensor:
     return v[..., v.shape[-1] - rank :] if keys is None else keys[s]
 
 
-def _normed_key(key: torch.Tensor, eps: float):
-    """``(k̄ [n, r], rstd [n, 1])`` in fp32 for one source's key ``[..., r]``."""
-    k = key.reshape(-1, key.shape[-1]).float()
-    rstd = torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps)
-    return k * rstd, rstd
-
-
-def _alphas(values, keys, q, eps: float):
-    """``(ℓ [S, n, C], k̄ list, rstd list)``: every source's logits against the bank, fp32."""
-    rank = q.shape[-1]
-    logits = q.new_empty(len(values), _rows(values[0]).shape[0], q.shape[0])
-    kbars, rstds = [], []
-    for s in range(len(values)):
-        kbar, rstd = _normed_key(_key(values, keys, s, rank), eps)
-        logits[s] = kbar @ q.t()
-        kbars.append(kbar)
-        rstds.append(rstd)
-    return logits, kbars, rstds
-
-
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _key_rstd(key: torch.Tensor, eps: float):
+    """``(k [n, r] fp32 raw, rstd [n])``: one source's key and its RMSNorm scale. k̄ = k·rstd
+    is never materialised: the logits are scaled after the matmul instead."""
+    k = _rows(key).float()
+    norm = torch.linalg.vector_norm(k, dim=-1)  # one fused reduction, no [n, r] temporary
+    return k, torch.rsqrt(norm * norm / k.shape[-1] + eps)
+
+
+def _logits(values, keys, q, eps: float):
+    """``(ℓ [S, C, n], raw keys, rstds)``: every source's logits against the bank, fp32."""
+    rank = q.shape[-1]
+    logits = q.new_empty(len(values), q.shape[0], _rows(values[0]).shape[0])
+    ks, rstds = [], []
+    for s in range(len(values)):
+        k, rstd = _key_rstd(_key(values, keys, s, rank), eps)
+        logits[s] = (q @ k.t()) * rstd
+        ks.append(k)
+        rstds.append(rstd)
+    return logits, ks, rstds
+
+
+@torch.no_grad()
 def read_fwd(values, keys, queries, eps: float):
     """Read of a query bank: ``(out [C, ..., d] fp32, lse [C, ...] fp32)``."""
     q = queries.float()
     lead, d, nc = values[0].shape[:-1], values[0].shape[-1], q.shape[0]
-    logits = _alphas(values, keys, q, eps)[0]
-    lse = torch.logsumexp(logits, 0)  # [n, C]
-    alpha = torch.exp(logits - lse).transpose(1, 2).unsqueeze(-1)  # [S, C, n, 1]
+    logits = _logits(values, keys, q, eps)[0]
+    lse = torch.logsumexp(logits, 0)  # [C, n]
+    alpha = torch.exp(logits - lse).unsqueeze(-1)  # [S, C, n, 1]
     out = alpha[0] * _rows(values[0])  # type promotion: fp32 without a copy of v
     for s in range(1, len(values)):
         out.addcmul_(_rows(values[s]), alpha[s])
-    return out.view(nc, *lead, d), lse.t().reshape(nc, *lead)
+    return out.view(nc, *lead, d), lse.view(nc, *lead)
 
 
-def _key_grad(dlogit, kbar, rstd, q):
-    """Gradient of ``ℓ_c = <q_c, RMSNorm(k)>`` w.r.t. the raw key ``k`` (``[n, r]``), summed over
-    the bank (``dlogit [n, C]``)."""
-    dkbar = dlogit @ q
-    return rstd * (dkbar - kbar * (dkbar * kbar).mean(-1, keepdim=True))
+def _add_key_grad(target, dlogit, logit, k, rstd, q):
+    """``target += ∂(Σ_c dℓ_c ℓ_c)/∂k`` for ``ℓ_c = <q_c, k·rstd>`` (``dlogit, logit [C, n]``,
+    ``k [n, r]``, ``target [n, r]``, in place), returns ``dq [C, r]``. RMSNorm backward with
+    ``Σ_r (Σ_c dℓ_c q_c) k̄ = Σ_c dℓ_c ℓ_c``: ``dk = rstd·dℓᵀq - k·rstd²·Σ_c dℓ_c ℓ_c / r``."""
+    scaled = dlogit * rstd  # [C, n]
+    target.addmm_(scaled.t(), q)
+    coef = (dlogit * logit).sum(0) * rstd * rstd / k.shape[-1]
+    target.addcmul_(k, coef.unsqueeze(-1), value=-1)
+    return scaled @ k
 
 
+@torch.no_grad()
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     """Backward of :func:`read_fwd`. ``grad_out [C, ..., d]`` / ``grad_lse [C, ...]`` may be None.
 
@@ -84,33 +91,34 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     q = queries.float()
     nc, rank = q.shape
     shape, d = values[0].shape, values[0].shape[-1]
-    logits, kbars, rstds = _alphas(values, keys, q, eps)
-    alpha = torch.exp(logits - lse.reshape(nc, -1).t().float())  # [S, n, C]
+    logits, ks, rstds = _logits(values, keys, q, eps)
+    alpha = torch.exp(logits - lse.reshape(nc, -1).float())  # [S, C, n]
     # e^{ℓ-lse} sums to 1 only up to rounding, and dα - D amplifies that error for a dominant
     # source: renormalised, the gradients are as exact as the eager softmax's.
     alpha = alpha / alpha.sum(0)
-    dh = None if grad_out is None else grad_out.reshape(nc, -1, d)
+    # fp32 dh (a copy only for 16-bit grads): the products below must not round to 16 bits
+    dh = None if grad_out is None else grad_out.reshape(nc, -1, d).float()
     dalpha = torch.zeros_like(alpha)
-    if dh is not None:  # <dh_c, v_s> per token: an elementwise pass and a row sum per (s, c)
+    if dh is not None:  # <dh_c, v_s> per token: one product (into a reused buffer) and a row sum
+        work = torch.empty_like(dh)
         for s, v in enumerate(values):
-            for c in range(nc):
-                dalpha[s, :, c] = (dh[c] * _rows(v)).sum(-1)
+            torch.sum(torch.mul(dh, _rows(v), out=work), -1, out=dalpha[s])
     dlogit = alpha * (dalpha - (alpha * dalpha).sum(0))
     if grad_lse is not None:
-        dlogit = dlogit + alpha * grad_lse.reshape(nc, -1).t().float()
+        dlogit += alpha * grad_lse.reshape(nc, -1).float()
     grad_values, grad_keys, grad_q = [], [], torch.zeros_like(q)
     for s in range(len(values)):
         if dh is None:
             dv = torch.zeros(_rows(values[s]).shape, dtype=torch.float32, device=q.device)
         else:
-            dv = alpha[s, :, :1] * dh[0]
+            dv = alpha[s, 0].unsqueeze(-1) * dh[0]
             for c in range(1, nc):
-                dv.addcmul_(dh[c], alpha[s, :, c : c + 1])
-        dk = _key_grad(dlogit[s], kbars[s], rstds[s], q)
-        grad_q += dlogit[s].t() @ kbars[s]
+                dv.addcmul_(dh[c], alpha[s, c].unsqueeze(-1))
         if keys is None:
-            dv[:, d - rank :] += dk
+            grad_q += _add_key_grad(dv[:, d - rank :], dlogit[s], logits[s], ks[s], rstds[s], q)
         else:
+            dk = torch.zeros_like(ks[s])
+            grad_q += _add_key_grad(dk, dlogit[s], logits[s], ks[s], rstds[s], q)
             grad_keys.append(dk.view(keys[s].shape))
         grad_values.append(dv.view(shape))
     return grad_values, (None if keys is None else grad_keys), grad_q
@@ -123,11 +131,11 @@ def rmsnorm_fp32(h: torch.Tensor) -> torch.Tensor:
 
 
 def _merge_weights(lse1, pk, q, eps: float):
-    """``(w1, w2 [n, 1], k̄, rstd)``: the two-way softmax of ``(lse1, ℓ)`` for the partial key."""
-    kbar, rstd = _normed_key(pk, eps)
-    logit = kbar @ q  # [n]
-    w2 = torch.sigmoid(logit - lse1.reshape(-1).float()).unsqueeze(-1)
-    return 1 - w2, w2, kbar, rstd
+    """``(w2 [n], ℓ [1, n], k [n, r], rstd [n])``: the partial's share ``w2 = σ(ℓ - lse1)`` of
+    the two-way softmax of ``(lse1, ℓ)``, with its raw key and RMSNorm scale."""
+    k, rstd = _key_rstd(pk, eps)
+    logit = (q @ k.t()) * rstd  # [1, n]
+    return torch.sigmoid(logit[0] - lse1.reshape(-1).float()), logit, k, rstd
 
 
 def _partial_key(partial_value, partial_key, rank: int):
@@ -135,29 +143,31 @@ def _partial_key(partial_value, partial_key, rank: int):
     return pv[..., pv.shape[-1] - rank :] if partial_key is None else partial_key
 
 
+@torch.no_grad()
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
     """Phase 2 (SPEC §7): merge a phase-1 read ``(out1, lse1)`` with the single partial source.
 
     Returns ``(h, norm)``: h ``[..., d]`` in partial_value's dtype, norm = RMSNorm(h) in the same
     dtype when ``emit_norm`` else an empty tensor.
     """
-    q = query.float()
+    q = query.float().unsqueeze(0)
     pv = partial_value
-    w1, w2, _, _ = _merge_weights(lse1, _partial_key(pv, partial_key, q.shape[-1]), q, eps)
-    h = w2 * _rows(pv)  # fp32 by type promotion
-    h.addcmul_(_rows(out1), w1)
+    w2 = _merge_weights(lse1, _partial_key(pv, partial_key, q.shape[-1]), q, eps)[0]
+    h = torch.lerp(_rows(out1).float(), _rows(pv).float(), w2.unsqueeze(-1))  # one pass
     h = h.to(pv.dtype).view(pv.shape)
     norm = rmsnorm_fp32(h).to(h.dtype) if emit_norm else h.new_empty(0)
     return h, norm
 
 
+@torch.no_grad()
 def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float):
     """Backward of :func:`merge_fwd` (``h`` is its saved output). Returns fp32 gradients
     ``(d_out1, d_lse1, d_partial_value, d_partial_key or None, d_query)``."""
-    q = query.float()
+    q = query.float().unsqueeze(0)
     rank = q.shape[-1]
     pv = partial_value
-    w1, w2, kbar, rstd = _merge_weights(lse1, _partial_key(pv, partial_key, rank), q, eps)
+    w2, logit, k, rstd = _merge_weights(lse1, _partial_key(pv, partial_key, rank), q, eps)
+    w1 = 1 - w2
     dh = None if grad_h is None else _rows(grad_h).float()  # read-only: no copy when fp32
     if grad_norm is not None and grad_norm.numel() > 0:
         hf = _rows(h).float()
@@ -167,15 +177,17 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
         dh = dnorm if dh is None else dh + dnorm
     if dh is None:
         dh = torch.zeros(_rows(h).shape, dtype=torch.float32, device=h.device)
-    dw1, dw2 = (dh * _rows(out1)).sum(-1, keepdim=True), (dh * _rows(pv)).sum(-1, keepdim=True)
-    big_d = w1 * dw1 + w2 * dw2
-    d_lse1, dlogit = w1 * (dw1 - big_d), w2 * (dw2 - big_d)  # [n, 1]
-    d_out1, d_pv = w1 * dh, w2 * dh
-    dk = _key_grad(dlogit, kbar, rstd, q.unsqueeze(0))
-    d_q = (dlogit.t() @ kbar)[0]
+    work = torch.empty_like(dh)
+    dw1 = torch.mul(dh, _rows(out1), out=work).sum(-1)
+    dw2 = torch.mul(dh, _rows(pv), out=work).sum(-1)
+    # two-way softmax backward: dℓ = w1·w2·(dw2 - dw1) = -d_lse1
+    dlogit = w1 * w2 * (dw2 - dw1)
+    d_out1, d_pv = w1.unsqueeze(-1) * dh, w2.unsqueeze(-1) * dh
     if partial_key is None:
-        d_pv[:, pv.shape[-1] - rank :] += dk
         dk = None
+        d_q = _add_key_grad(d_pv[:, pv.shape[-1] - rank :], dlogit[None], logit, k, rstd, q)
     else:
+        dk = torch.zeros_like(k)
+        d_q = _add_key_grad(dk, dlogit[None], logit, k, rstd, q)
         dk = dk.view(partial_key.shape)
-    return d_out1.view(pv.shape), d_lse1.view(lse1.shape), d_pv.view(pv.shape), dk, d_q
+    return d_out1.view(pv.shape), (-dlogit).view(lse1.shape), d_pv.view(pv.shape), dk, d_q[0]
