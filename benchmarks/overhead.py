@@ -245,6 +245,12 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", action="store_true", help="include an AdamW step")
     p.add_argument("--cuda-graphs", action="store_true", help="capture the step (CUDA only)")
     p.add_argument("--no-compile", action="store_true", help="eager sublayers (debugging)")
+    p.add_argument(
+        "--system-malloc",
+        action="store_true",
+        help="CPU: leave glibc's allocator as it is (default: the trainer's CPU setting, "
+        "titan_lrattnres.cpu.keep_freed_memory)",
+    )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--json", default=None, help="write the result here")
     a = p.parse_args(argv)
@@ -253,11 +259,17 @@ def main(argv=None) -> int:
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
     shape = Shape(a.layers, a.dim, a.seq, a.heads, a.batch, a.vocab, a.hidden)
+    kept = False
+    if torch.device(a.device).type == "cpu" and not a.system_malloc:
+        from titan_lrattnres.cpu import keep_freed_memory
+
+        kept = keep_freed_memory()  # what the CPU trainer runs with
     variants = tuple(v for v in a.variants.split(",") if v)
     print(
         f"overhead: L={shape.layers} d={shape.dim} T={shape.seq} B={shape.batch} heads="
         f"{shape.heads} hidden={shape.hidden_dim} vocab={shape.vocab} {a.dtype} on {a.device}, "
-        f"{a.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{a.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"freed memory kept mapped: {kept}"
     )
     try:
         result = measure(
@@ -277,7 +289,8 @@ def main(argv=None) -> int:
     print(table(result))
     if a.json:
         meta = dict(vars(a), hidden=shape.hidden_dim, torch=torch.__version__,
-                    threads=torch.get_num_threads(), machine=platform.machine())  # fmt: skip
+                    threads=torch.get_num_threads(), machine=platform.machine(),
+                    freed_memory_kept=kept)  # fmt: skip
         with open(a.json, "w") as f:
             json.dump({"config": meta, "result": result}, f, indent=1)
         print(f"wrote {a.json}")
