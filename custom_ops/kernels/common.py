@@ -1,8 +1,9 @@
-"""Helpers shared by the kernels: 2-D views, pointer tables, block sizes, launch descriptions
-(host side) and the ``@triton.jit`` pieces the kernels share (inlined by Triton)."""
+"""Helpers shared by the kernels: 2-D views, sources as kernel arguments, block sizes, launch
+descriptions (host side) and the ``@triton.jit`` pieces the kernels share (inlined by Triton)."""
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, NamedTuple
 
@@ -14,38 +15,72 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:
-    """``[..., w]`` as a ``[T, w]`` view with unit column stride (copies only if it must)."""
+    """``[..., w]`` as a ``[T, w]`` view with unit column stride (copies only if it must).
+
+    A copy must be passed to the kernel itself (as ``Sources`` and the launchers do), never just
+    its address, or it is freed before the kernel reads it.
+    """
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def source_table(values2d, keys2d, rank: int, device: torch.device) -> torch.Tensor:
-    """int64 ``[4, S]``: value pointers, value row strides, key pointers, key row strides.
+def bucket(n: int) -> int:
+    """Padded source count: one compile serves every S in (bucket / 2, bucket], at least 8."""
+    return max(8, pow2(n))
 
-    Strides are in elements. ``keys2d=None`` means sliced keys: the key of source s starts at
-    column ``d - rank`` of value s and shares its row stride.
+
+def padded(items, n: int) -> tuple:
+    """``items`` padded to ``n`` with ``items[0]`` (never read: the kernels loop to S only)."""
+    return (*items, *(items[0],) * (n - len(items)))
+
+
+def alignment(dtype: torch.dtype, *ints: int) -> int:
+    """Largest power of two ``A <= 16 bytes / element size`` dividing every int (in elements).
+
+    The kernels rewrite each row stride and width as ``aligned(x, A)`` so Triton can prove that
+    a row of ``A`` elements starts 16-byte aligned (128-bit loads); see ``aligned``.
     """
-    vp = [v.data_ptr() for v in values2d]
-    vs = [v.stride(0) for v in values2d]
-    if keys2d is None:
-        width, esize = values2d[0].shape[-1], values2d[0].element_size()
-        kp = [p + (width - rank) * esize for p in vp]
-        ks = vs
-    else:
-        kp = [k.data_ptr() for k in keys2d]
-        ks = [k.stride(0) for k in keys2d]
-    table = torch.tensor([vp, vs, kp, ks], dtype=torch.int64)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
+    a = 16 // dtype.itemsize
+    while a > 1 and any(x % a for x in ints):
+        a //= 2
+    return a
 
 
-def pointer_table(tensors, device: torch.device) -> torch.Tensor:
-    """int64 ``[S]`` of data pointers (gradient outputs, all contiguous)."""
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
+def key_dtype(keys) -> torch.dtype:
+    """One element type for all keys (the kernels select among them): the promoted type, so
+    converting any key to it is exact (bf16 + fp16 -> fp32)."""
+    return functools.reduce(torch.promote_types, (k.dtype for k in keys))
+
+
+class Sources(NamedTuple):
+    """The S sources as kernel arguments, padded to ``bucket(S)`` (the tensors keep any copy
+    made by ``rows`` alive for as long as the launch holds them).
+
+    values: ``[T, d]`` each, unit column stride; keys: ``[T, r]`` each in one dtype, or None for
+    sliced keys (the last r columns of each value); strides in elements.
+    """
+
+    values: tuple
+    value_strides: tuple
+    keys: tuple | None
+    key_strides: tuple | None
+    value_align: int  # divides d and every value row stride
+    key_align: int  # divides r and every key row stride (sliced: the values' strides and d)
+
+
+def sources(values, keys, rank: int) -> Sources:
+    v2 = [rows(v) for v in values]
+    n, d = bucket(len(v2)), v2[0].shape[-1]
+    vs = [v.stride(0) for v in v2]
+    v_align = alignment(v2[0].dtype, d, *vs)
+    if keys is None:
+        k_align = alignment(v2[0].dtype, rank, d, *vs)
+        return Sources(padded(v2, n), padded(vs, n), None, None, v_align, k_align)
+    dtype = key_dtype(keys)
+    k2 = [rows(k).to(dtype) for k in keys]
+    ks = [k.stride(0) for k in k2]
+    k_align = alignment(dtype, rank, *ks)
+    return Sources(padded(v2, n), padded(vs, n), padded(k2, n), padded(ks, n), v_align, k_align)
 
 
 def pow2(n: int) -> int:
@@ -56,13 +91,22 @@ def _floor2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def blocks(n_queries: int, d: int, rank: int, budget: int | None = None, gpu: bool | None = None):
+def blocks(
+    n_queries: int,
+    d: int,
+    rank: int,
+    budget: int | None = None,
+    gpu: bool | None = None,
+    beside_acc: bool = False,
+):
     """``(BLOCK_C, BLOCK_T, BLOCK_D, BLOCK_R, num_warps)`` for a token-block program.
 
     The fp32 accumulator is ``[BLOCK_C, BLOCK_T, BLOCK_D]``; ``budget`` caps its element count
     (registers on GPU; under the interpreter cost is per program, so tiles are large, but
     BLOCK_D stays small enough that tests exercise the loop over d tiles). ``gpu`` picks the
-    GPU (True) or interpreter (False) branch; None follows ``TRITON_INTERPRET``.
+    GPU (True) or interpreter (False) branch; None follows ``TRITON_INTERPRET``. ``beside_acc``:
+    the key step's ``[BLOCK_C, BLOCK_T, BLOCK_R]`` product is live beside that accumulator (the
+    forward), so on GPU it gets half the budget.
     """
     bc = pow2(n_queries)
     if not (gpu if gpu is not None else not INTERPRET):
@@ -76,7 +120,9 @@ def blocks(n_queries: int, d: int, rank: int, budget: int | None = None, gpu: bo
     budget = budget or 4096
     bd = min(pow2(d), 4096, max(128, budget // bc))
     bt = _floor2(min(64, budget // (bc * bd)))
-    br = min(pow2(rank), _floor2(max(16, 4096 // (bc * bt))))
+    # ptxas -v, forward, bf16 d = r = 1024, c = 1: BLOCK_R 1024 -> 80 regs + 8 B spill, 512 -> 64.
+    key_budget = 2048 if beside_acc else 4096
+    br = min(pow2(rank), _floor2(max(16, key_budget // (bc * bt))))
     return bc, bt, bd, br, 8 if bc * bt * bd >= 4096 else 4
 
 
@@ -108,13 +154,48 @@ def load_tile(PTR, rows, row_stride, cols, mask_rows, mask_cols):
 
 
 @triton.jit
-def source(TABLE, S, s, V0, K0):
-    """Source ``s`` of an int64 ``[4, S]`` ``source_table``: (value ptr, value row stride,
-    key ptr, key row stride), pointers typed like ``V0`` / ``K0``."""
-    v_ptr = tl.load(TABLE + s).to(tl.pointer_type(V0.dtype.element_ty))
-    v_stride = tl.load(TABLE + S + s)
-    k_ptr = tl.load(TABLE + 2 * S + s).to(tl.pointer_type(K0.dtype.element_ty))
-    k_stride = tl.load(TABLE + 3 * S + s)
+def pick(TUP, s):
+    """``TUP[s]`` for a runtime ``s`` (a tuple takes only constant indices): a select chain over
+    the whole tuple. Triton's alignment analysis gives a select the least divisibility of its
+    operands, so every element's launch-time 16-byte specialisation survives the pick."""
+    x = TUP[0]
+    for i in tl.static_range(1, len(TUP)):
+        x = tl.where(s == i, TUP[i], x)
+    return x
+
+
+@triton.jit
+def aligned(x, A: tl.constexpr):
+    """``x`` (a multiple of ``A``, checked by the launcher) in a form whose divisibility Triton's
+    analysis can prove. Ints are specialised only for divisibility by 16, and ``tl.multiple_of``
+    on a scalar was dropped (measured: d = 1000 bf16 stayed scalar), so ``x // A * A``."""
+    return x // A * A
+
+
+@triton.jit
+def source(
+    VALS,
+    V_STRIDES,
+    KEYS,
+    K_STRIDES,
+    s,
+    D,
+    R,
+    SLICED: tl.constexpr,
+    V_ALIGN: tl.constexpr,
+    K_ALIGN: tl.constexpr,
+):
+    """Source ``s`` of ``Sources``: (value ptr, value row stride, key ptr, key row stride).
+
+    ``D`` and ``R`` must already be ``aligned`` (the sliced key starts at column ``D - R``)."""
+    v_ptr = pick(VALS, s)
+    v_stride = aligned(pick(V_STRIDES, s), V_ALIGN)
+    if SLICED:
+        k_ptr = v_ptr + (D - R)
+        k_stride = v_stride
+    else:
+        k_ptr = pick(KEYS, s)
+        k_stride = aligned(pick(K_STRIDES, s), K_ALIGN)
     return v_ptr, v_stride, k_ptr, k_stride
 
 

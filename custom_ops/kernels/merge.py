@@ -79,10 +79,14 @@ def _merge_fwd_kernel(
     eps,
     norm_eps,
     EMIT_NORM: tl.constexpr,
+    V_ALIGN: tl.constexpr,  # divides D and pv_stride
+    K_ALIGN: tl.constexpr,  # divides R and pk_stride
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    D, pv_stride = common.aligned(D, V_ALIGN), common.aligned(pv_stride, V_ALIGN)
+    R, pk_stride = common.aligned(R, K_ALIGN), common.aligned(pk_stride, K_ALIGN)
     offs_t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < T
     logit, _ = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
@@ -135,10 +139,14 @@ def _merge_bwd_kernel(
     norm_eps,
     HAS_NORM: tl.constexpr,
     SLICED: tl.constexpr,
+    V_ALIGN: tl.constexpr,  # divides D and pv_stride
+    K_ALIGN: tl.constexpr,  # divides R and pk_stride
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    D, pv_stride = common.aligned(D, V_ALIGN), common.aligned(pv_stride, V_ALIGN)
+    R, pk_stride = common.aligned(R, K_ALIGN), common.aligned(pk_stride, K_ALIGN)
     pid = tl.program_id(0)
     offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     mask_t = offs_t < T
@@ -205,11 +213,17 @@ def _merge_bwd_kernel(
 
 
 def _views(out1, lse1, partial_value, partial_key, rank):
+    """2-D operands and ``(V_ALIGN, K_ALIGN)``; copies made here are launch arguments, so they
+    live until the kernel has read them."""
     d = partial_value.shape[-1]
     pv = common.rows(partial_value)
     pk = pv[:, d - rank :] if partial_key is None else common.rows(partial_key)
     o1 = out1.reshape(-1, d).contiguous()
-    return o1, lse1.reshape(-1).float().contiguous(), pv, pk
+    aligns = (
+        common.alignment(pv.dtype, d, pv.stride(0)),
+        common.alignment(pk.dtype, rank, pk.stride(0)),
+    )
+    return o1, lse1.reshape(-1).float().contiguous(), pv, pk, aligns
 
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
@@ -226,7 +240,7 @@ def merge_fwd_launch(
 ):
     """``(common.Launch, h, norm)``: what ``merge_fwd`` launches, with its (unwritten) results."""
     rank, shape, d = query.shape[-1], partial_value.shape, partial_value.shape[-1]
-    o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
+    o1, l1, pv, pk, (v_align, k_align) = _views(out1, lse1, partial_value, partial_key, rank)
     t = pv.shape[0]
     h = torch.empty((t, d), dtype=pv.dtype, device=pv.device)
     norm = torch.empty_like(h) if emit_norm else h.new_empty(0)
@@ -236,7 +250,8 @@ def merge_fwd_launch(
         (triton.cdiv(t, bt),),
         (o1, l1, pv, pk, query.contiguous(), h, norm if emit_norm else h,
          pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
-        dict(EMIT_NORM=emit_norm, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        dict(EMIT_NORM=emit_norm, V_ALIGN=v_align, K_ALIGN=k_align,
+             BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
     return launch, h.view(shape), (norm.view(shape) if emit_norm else norm)
@@ -257,7 +272,7 @@ def merge_bwd_launch(
     """``(common.Launch, d_out1, d_lse1, d_pv, d_pk, dq partials [P, r])``: what ``merge_bwd``
     launches, with its (unwritten) results."""
     rank, d = query.shape[-1], partial_value.shape[-1]
-    o1, l1, pv, pk = _views(out1, lse1, partial_value, partial_key, rank)
+    o1, l1, pv, pk, (v_align, k_align) = _views(out1, lse1, partial_value, partial_key, rank)
     t, dev = pv.shape[0], pv.device
     has_norm = grad_norm is not None and grad_norm.numel() > 0
     dh = torch.zeros_like(o1) if grad_h is None else grad_h.reshape(t, d).contiguous()
@@ -266,7 +281,9 @@ def merge_bwd_launch(
     d_lse1 = torch.empty((t,), dtype=torch.float32, device=dev)
     d_pv = torch.empty((t, d), dtype=pv.dtype, device=dev)
     d_pk = None if partial_key is None else torch.empty((t, rank), dtype=pk.dtype, device=dev)
-    _, bt, bd, br, warps = common.blocks(1, d, rank, gpu=gpu)
+    # Up to five [T, D] tiles live at once (dh, h, dy, out1, v): half the read's budget. ptxas -v,
+    # fp32 d = 1024 sliced + norm: 4096 -> 128 regs + 8 B spill; 2048 -> 79 regs.
+    _, bt, bd, br, warps = common.blocks(1, d, rank, 2048, gpu=gpu)
     programs = triton.cdiv(t, bt)
     dq = torch.zeros((programs, rank), dtype=torch.float32, device=dev)
     launch = common.Launch(
@@ -275,7 +292,8 @@ def merge_bwd_launch(
         (o1, l1, pv, pk, query.contiguous(), h.reshape(t, d).contiguous(), dh, dn,
          d_out1, d_lse1, d_pv, d_pv if d_pk is None else d_pk, dq,
          pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
-        dict(HAS_NORM=has_norm, SLICED=partial_key is None, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        dict(HAS_NORM=has_norm, SLICED=partial_key is None, V_ALIGN=v_align, K_ALIGN=k_align,
+             BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
     shape = partial_value.shape

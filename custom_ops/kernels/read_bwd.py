@@ -48,12 +48,12 @@ def _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R)
 
 @triton.jit
 def _read_bwd_kernel(
-    TABLE,  # int64 [4, S]: value ptrs, value row strides, key ptrs, key row strides (elements)
-    GTABLE,  # int64 [2, S]: grad value ptrs ([T, D] contiguous), grad key ptrs ([T, R] contiguous)
-    V0,  # [T, D] source 0, element-type carrier for values
-    K0,  # [T, R] key 0 (V0 if sliced), element-type carrier for keys
-    GV0,  # [T, D] grad of value 0, element-type carrier for value grads
-    GK0,  # [T, R] grad of key 0 (GV0 if sliced), element-type carrier for key grads
+    VALS,  # bucket-padded tuple of [T, D] values, unit column stride, one dtype
+    V_STRIDES,  # tuple of the values' row strides (elements)
+    KEYS,  # tuple of [T, R] keys, unit column stride, one dtype; None if SLICED
+    K_STRIDES,  # tuple of the keys' row strides; None if SLICED
+    GVALS,  # tuple of [T, D] contiguous value grads (values' dtype), written
+    GKEYS,  # tuple of [T, R] contiguous key grads (keys' dtype), written; None if SLICED
     Q,  # [NC, R] query bank, contiguous
     LSE,  # [NC, T] fp32 saved log-sum-exp
     DOUT,  # [NC, T, D] grad of the output, contiguous, any float dtype
@@ -67,12 +67,16 @@ def _read_bwd_kernel(
     R,
     NC,
     eps,
-    SLICED: tl.constexpr,
+    SLICED: tl.constexpr,  # key = the value's last R columns; its grad goes into the value's
+    V_ALIGN: tl.constexpr,  # divides D and every value row stride
+    K_ALIGN: tl.constexpr,  # divides R and every key row stride
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    D = common.aligned(D, V_ALIGN)
+    R = common.aligned(R, K_ALIGN)
     pid = tl.program_id(0)
     offs_t = (pid * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     offs_c = tl.arange(0, BLOCK_C)
@@ -84,7 +88,9 @@ def _read_bwd_kernel(
     z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
 
     for s in range(S):
-        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
+        v_ptr, v_stride, k_ptr, k_stride = common.source(
+            VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
+        )
         logit, rstd = common.bank_logits(
             k_ptr, k_stride, Q, offs_t, mask_t, offs_c, mask_c, R, eps, BLOCK_C, BLOCK_T, BLOCK_R
         )
@@ -121,8 +127,10 @@ def _read_bwd_kernel(
         dlogit = alpha * (dalpha - big_d + dlse)
         # Σ_c dℓ_c ℓ_c · rstd / r: the k-proportional term of the RMSNorm backward
         g = tl.sum(dlogit * logit, axis=0) * rstd / R
-        gv_ptr = tl.load(GTABLE + s).to(tl.pointer_type(GV0.dtype.element_ty))
-        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
+        gv_ptr = common.pick(GVALS, s)
+        v_ptr, v_stride, k_ptr, k_stride = common.source(
+            VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
+        )
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
@@ -137,11 +145,11 @@ def _read_bwd_kernel(
                 dv += tl.where(mask_j[None, :], dk, 0.0)
             tl.store(
                 gv_ptr + offs_t[:, None] * D + offs_d[None, :],
-                dv.to(GV0.dtype.element_ty),
+                dv.to(gv_ptr.dtype.element_ty),
                 mask=mask_td,
             )
         if not SLICED:
-            gk_ptr = tl.load(GTABLE + S + s).to(tl.pointer_type(GK0.dtype.element_ty))
+            gk_ptr = common.pick(GKEYS, s)
             for r0 in range(0, R, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 mask_r = offs_r < R
@@ -150,7 +158,7 @@ def _read_bwd_kernel(
                 dk = _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R)
                 tl.store(
                     gk_ptr + offs_t[:, None] * R + offs_r[None, :],
-                    dk.to(GK0.dtype.element_ty),
+                    dk.to(gk_ptr.dtype.element_ty),
                     mask=mask_tr,
                 )
 
@@ -164,6 +172,8 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_b
         values, keys, queries, lse, grad_out, grad_lse, eps, block_budget
     )
     launch()
+    if grad_keys is not None:  # mixed key dtypes were read in their promoted dtype
+        grad_keys = [g.to(k.dtype) for g, k in zip(grad_keys, keys, strict=True)]
     return grad_values, grad_keys, dq.sum(0)
 
 
@@ -171,13 +181,13 @@ def read_bwd_launch(
     values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None, gpu=None
 ):
     """``(common.Launch, grad_values, grad_keys, dq partials [P, C, r])``: what ``read_bwd``
-    launches, with its (unwritten) results. ``gpu`` is passed to ``common.blocks``."""
+    launches, with its (unwritten) results; grad_keys are in ``common.key_dtype(keys)``.
+    ``gpu`` is passed to ``common.blocks``."""
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     nc, rank = queries.shape
     dev = queries.device
-    v2 = [common.rows(v) for v in values]
-    k2 = None if keys is None else [common.rows(k) for k in keys]
-    t, n = v2[0].shape[0], len(v2)
+    src = common.sources(values, keys, rank)
+    t, n, n2 = src.values[0].shape[0], len(values), len(src.values)
     if grad_out is None:
         grad_out = torch.zeros((nc, t, d), dtype=torch.float32, device=dev)
     if grad_lse is None:
@@ -186,9 +196,9 @@ def read_bwd_launch(
     dlse = grad_lse.reshape(nc, t).float().contiguous()
     lse2 = lse.reshape(nc, t).float().contiguous()
     gv = [torch.empty((t, d), dtype=values[0].dtype, device=dev) for _ in range(n)]
-    gk = None if k2 is None else [torch.empty((t, rank), dtype=k.dtype, device=dev) for k in k2]
-    gtable = common.pointer_table(gv + (gv if gk is None else gk), dev)
-    table = common.source_table(v2, k2, rank, dev)
+    gk = None
+    if keys is not None:
+        gk = [torch.empty((t, rank), dtype=src.keys[0].dtype, device=dev) for _ in range(n)]
     bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu)
     programs = triton.cdiv(t, bt)
     scratch = torch.empty((n, 3, nc, t), dtype=torch.float32, device=dev)
@@ -197,10 +207,11 @@ def read_bwd_launch(
     launch = common.Launch(
         _read_bwd_kernel,
         (programs,),
-        (table, gtable, v2[0], v2[0] if k2 is None else k2[0], gv[0],
-         gv[0] if gk is None else gk[0], queries.contiguous(), lse2, dout, dlse, scratch, rstd, dq,
-         n, t, d, rank, nc, eps),
-        dict(SLICED=k2 is None, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        (src.values, src.value_strides, src.keys, src.key_strides, common.padded(gv, n2),
+         None if gk is None else common.padded(gk, n2), queries.contiguous(), lse2, dout, dlse,
+         scratch, rstd, dq, n, t, d, rank, nc, eps),
+        dict(SLICED=keys is None, V_ALIGN=src.value_align, K_ALIGN=src.key_align,
+             BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
     grad_values = [g.view(*lead, d) for g in gv]

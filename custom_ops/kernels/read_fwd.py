@@ -22,9 +22,10 @@ from custom_ops.kernels import common
 
 @triton.jit
 def _read_fwd_kernel(
-    TABLE,  # int64 [4, S]: value ptrs, value row strides, key ptrs, key row strides (elements)
-    V0,  # [T, D] source 0, only its element type is used (all sources share it)
-    K0,  # [T, R] key 0 (or V0 for sliced keys), only its element type is used
+    VALS,  # bucket-padded tuple of [T, D] values, unit column stride, one dtype
+    V_STRIDES,  # tuple of the values' row strides (elements)
+    KEYS,  # tuple of [T, R] keys, unit column stride, one dtype; None if SLICED
+    K_STRIDES,  # tuple of the keys' row strides; None if SLICED
     Q,  # [NC, R] query bank, contiguous, any float dtype
     OUT,  # [NC, T, D] output, contiguous
     LSE,  # [NC, T] fp32 log-sum-exp, contiguous
@@ -34,11 +35,16 @@ def _read_fwd_kernel(
     R,
     NC,
     eps,
+    SLICED: tl.constexpr,  # the key of a source is its value's last R columns
+    V_ALIGN: tl.constexpr,  # divides D and every value row stride
+    K_ALIGN: tl.constexpr,  # divides R and every key row stride
     BLOCK_C: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
+    D = common.aligned(D, V_ALIGN)
+    R = common.aligned(R, K_ALIGN)
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_t = (pid_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
@@ -50,7 +56,9 @@ def _read_fwd_kernel(
     z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     acc = tl.zeros([BLOCK_C, BLOCK_T, BLOCK_D], tl.float32)
     for s in range(S):
-        v_ptr, v_stride, k_ptr, k_stride = common.source(TABLE, S, s, V0, K0)
+        v_ptr, v_stride, k_ptr, k_stride = common.source(
+            VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
+        )
         logit, _ = common.bank_logits(
             k_ptr, k_stride, Q, offs_t, mask_t, offs_c, mask_c, R, eps, BLOCK_C, BLOCK_T, BLOCK_R
         )
@@ -91,20 +99,19 @@ def read_fwd_launch(values, keys, queries, eps: float, out_dtype=None, block_bud
     ``gpu`` is passed to ``common.blocks``."""
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     nc, rank = queries.shape
-    v2 = [common.rows(v) for v in values]
-    k2 = None if keys is None else [common.rows(k) for k in keys]
-    t = v2[0].shape[0]
-    table = common.source_table(v2, k2, rank, values[0].device)
+    src = common.sources(values, keys, rank)
+    t = src.values[0].shape[0]
     q = queries.contiguous()
     out = torch.empty((nc, t, d), dtype=out_dtype or torch.float32, device=q.device)
     lse = torch.empty((nc, t), dtype=torch.float32, device=q.device)
-    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu)
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu, beside_acc=True)
     launch = common.Launch(
         _read_fwd_kernel,
         (triton.cdiv(t, bt), triton.cdiv(d, bd)),
-        (table, v2[0], v2[0] if k2 is None else k2[0], q, out, lse,
-         len(v2), t, d, rank, nc, eps),
-        dict(BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        (src.values, src.value_strides, src.keys, src.key_strides, q, out, lse,
+         len(values), t, d, rank, nc, eps),
+        dict(SLICED=keys is None, V_ALIGN=src.value_align, K_ALIGN=src.key_align,
+             BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
     return launch, out.view(nc, *lead, d), lse.view(nc, *lead)
