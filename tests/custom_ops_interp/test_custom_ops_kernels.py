@@ -50,8 +50,10 @@ def test_merge_partial_kernels(case, emit_norm):
 
 
 @pytest.mark.parametrize("sliced", [True, False])
-def test_129_sources_kernels(sliced):
-    check_depth_read(ReadCase((3,), 9, 4, 129, sliced, torch.bfloat16, seed=5), backend="triton")
+def test_65_sources_kernels(sliced):
+    """Past the 64-source bucket (Full AttnRes at L = 24 reads up to 49): the 128-entry tuples.
+    The interpreter runs the whole select chain per pick, so 129 sources cost 4x as much."""
+    check_depth_read(ReadCase((3,), 9, 4, 65, sliced, torch.bfloat16, seed=5), backend="triton")
 
 
 def test_many_token_blocks_and_d_tiles():
