@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from custom_ops import composite
+from custom_ops import composite, cpu
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
 
@@ -47,8 +47,16 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _composite(fn, device: torch.device):
-    return _compiled(fn) if device.type == "cuda" else fn
+def _composite(name: str, device: torch.device, *args):
+    """``compiled`` impl: on CPU the fused C kernel (fp32) else the eager composite; on CUDA the
+    composite through torch.compile."""
+    if device.type == "cuda":
+        return _compiled(getattr(composite, name))(*args)
+    if device.type == "cpu":
+        result = getattr(cpu, name)(*args)
+        if result is not None:
+            return result
+    return getattr(composite, name)(*args)
 
 
 def _read_fwd(values, keys, queries, eps, impl, out_dtype):
@@ -56,7 +64,7 @@ def _read_fwd(values, keys, queries, eps, impl, out_dtype):
         from custom_ops.kernels import read_fwd
 
         return read_fwd.read_fwd(values, keys, queries, eps, out_dtype)
-    return _composite(composite.read_fwd, queries.device)(values, keys, queries, eps)
+    return _composite("read_fwd", queries.device, values, keys, queries, eps)
 
 
 def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
@@ -64,8 +72,8 @@ def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
         from custom_ops.kernels import read_bwd
 
         return read_bwd.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
-    fn = _composite(composite.read_bwd, queries.device)
-    return fn(values, keys, queries, lse, grad_out, grad_lse, eps)
+    args = (values, keys, queries, lse, grad_out, grad_lse, eps)
+    return _composite("read_bwd", queries.device, *args)
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -183,8 +191,7 @@ def _merge_fwd(out1, lse1, pv, pk, query, eps, emit_norm, impl):
         from custom_ops.kernels import merge
 
         return merge.merge_fwd(out1, lse1, pv, pk, query, eps, emit_norm)
-    fn = _composite(composite.merge_fwd, pv.device)
-    return fn(out1, lse1, pv, pk, query, eps, emit_norm)
+    return _composite("merge_fwd", pv.device, out1, lse1, pv, pk, query, eps, emit_norm)
 
 
 def _merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps, impl):
@@ -192,8 +199,8 @@ def _merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps, impl):
         from custom_ops.kernels import merge
 
         return merge.merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps)
-    fn = _composite(composite.merge_bwd, pv.device)
-    return fn(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps)
+    args = (out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps)
+    return _composite("merge_bwd", pv.device, *args)
 
 
 @torch.library.custom_op("lrattnres::merge_partial", mutates_args=())

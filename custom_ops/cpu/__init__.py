@@ -1,0 +1,251 @@
+"""Fused CPU kernels of the depth read: ``depth_read.c``, built on first use, called via ctypes.
+
+Same contracts as ``custom_ops.composite`` (query bank ``[C, r]``, fp32 results shaped
+``[C, ...]``), one pass per token over its rows: each value row is read once in the forward and
+once in the backward, where the eager composite makes C·S whole-tensor passes plus temporaries.
+Tokens are split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+
+Scope: fp32 tensors on CPU whose rows have unit column stride (other layouts are copied, kept
+alive for the call). Every function returns None when it cannot serve the call (another dtype
+or device, or no C compiler): the caller then uses the eager composite. The library is compiled
+with the system C compiler into ``$LRATTNRES_CPU_CACHE`` (default
+``~/.cache/titan-lrattnres/cpu-kernels``), keyed by the source's hash; ``ENABLED = False`` turns
+the kernels off (tests compare both paths).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
+NORM_EPS = torch.finfo(torch.float32).eps
+_SOURCE = Path(__file__).with_name("depth_read.c")
+_MIN_TOKENS_PER_THREAD = 64
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_SIGNATURES = {
+    "read_fwd": [_I] * 5 + [ctypes.c_int] + [_P] * 5 + [_D] + [_P] * 2 + [_I] * 2,
+    "read_bwd": [_I] * 5 + [ctypes.c_int] + [_P] * 5 + [_D] + [_P] * 6 + [_I] * 2,
+    "merge_fwd": [_I] * 3 + [_P, _I, _P, _P, _I, _P, _I, _P, _D, _D, _P, _P, _I, _I],
+    "merge_bwd": [_I] * 3
+    + [ctypes.c_int, _P, _I, _P, _P, _I, _P, _I, _P, _D, _D]
+    + [_P] * 8
+    + [_I, _I],
+}
+
+
+def _cache_dir() -> Path:
+    default = Path.home() / ".cache" / "titan-lrattnres" / "cpu-kernels"
+    return Path(os.environ.get("LRATTNRES_CPU_CACHE", default))
+
+
+def _cpu_identity() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+@functools.cache
+def library():
+    """The compiled library, or None (with one warning) when it cannot be built."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        warnings.warn("no C compiler: the CPU depth read runs the eager composite", stacklevel=2)
+        return None
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+    # -march=native: the key includes this CPU's model and flags (a shared cache directory must
+    # never hand one machine a library built for another's instruction set)
+    ident = " ".join([cc, *flags, platform.machine(), _cpu_identity()])
+    key = hashlib.sha256(_SOURCE.read_bytes() + ident.encode()).hexdigest()
+    path = _cache_dir() / f"depth_read-{key[:16]}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            out = Path(tmp) / path.name
+            proc = subprocess.run(
+                [cc, *flags, "-o", str(out), str(_SOURCE), "-lm"], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                warnings.warn(
+                    f"building {_SOURCE.name} failed ({proc.stderr.strip()[:300]}): the CPU "
+                    "depth read runs the eager composite",
+                    stacklevel=2,
+                )
+                return None
+            os.replace(out, path)  # atomic: a concurrent build never loads a half-written file
+    lib = ctypes.CDLL(str(path))
+    for name, args in _SIGNATURES.items():
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = None
+    return lib
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="lrattnres-cpu")
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+    parts = max(1, min(torch.get_num_threads(), n // _MIN_TOKENS_PER_THREAD))
+    bounds = [n * p // parts for p in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _run(fn, args, n: int, partials: list[torch.Tensor] | None = None) -> None:
+    """``fn(*args, [partial], t0, t1)`` over token chunks, in parallel; ``partials`` (one fp32
+    accumulator per chunk, appended before the bounds) are created here and summed by the
+    caller."""
+    chunks = _chunks(n)
+    calls = []
+    for t0, t1 in chunks:
+        extra = ()
+        if partials is not None:
+            partials.append(torch.zeros_like(partials[0]) if partials else None)
+            extra = (partials[-1].data_ptr(),)
+        calls.append((*args, *extra, t0, t1))
+    if len(calls) == 1:
+        fn(*calls[0])
+        return
+    list(_pool(len(calls)).map(lambda a: fn(*a), calls))
+
+
+def _usable(*tensors) -> bool:
+    return ENABLED and all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors
+    )
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., w]`` as ``[n, w]`` with unit column stride (a copy only if it must)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
+def _table(tensors, ctype):
+    return (ctype * len(tensors))(*tensors)
+
+
+def _sources(values, keys):
+    """Row views (kept alive by the caller) and the ctypes pointer / stride tables."""
+    v2 = [_rows(v) for v in values]
+    k2 = v2 if keys is None else [_rows(k) for k in keys]
+    tables = (
+        _table([v.data_ptr() for v in v2], _P),
+        _table([v.stride(0) for v in v2], _I),
+        _table([k.data_ptr() for k in k2], _P),
+        _table([k.stride(0) for k in k2], _I),
+    )
+    return v2, k2, tables
+
+
+def read_fwd(values, keys, queries, eps: float):
+    """``composite.read_fwd`` fused, or None when not applicable."""
+    if not _usable(*values, *(keys or ()), queries) or (lib := library()) is None:
+        return None
+    lead, d = values[0].shape[:-1], values[0].shape[-1]
+    q = queries.float().contiguous()
+    nc, rank = q.shape
+    v2, k2, tables = _sources(values, keys)
+    n = v2[0].shape[0]
+    out = torch.empty((nc, n, d), dtype=torch.float32)
+    lse = torch.empty((nc, n), dtype=torch.float32)
+    args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
+            out.data_ptr(), lse.data_ptr())  # fmt: skip
+    _run(lib.read_fwd, args, n)
+    return out.view(nc, *lead, d), lse.view(nc, *lead)
+
+
+def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
+    """``composite.read_bwd`` fused, or None when not applicable."""
+    if not _usable(*values, *(keys or ()), queries, lse, grad_out, grad_lse):
+        return None
+    if (lib := library()) is None:
+        return None
+    shape, d = values[0].shape, values[0].shape[-1]
+    q = queries.float().contiguous()
+    nc, rank = q.shape
+    v2, k2, tables = _sources(values, keys)
+    n = v2[0].shape[0]
+    lse2 = lse.reshape(nc, n).contiguous()
+    dout = None if grad_out is None else grad_out.reshape(nc, n, d).contiguous()
+    dlse = None if grad_lse is None else grad_lse.reshape(nc, n).contiguous()
+    gv = [torch.empty((n, d), dtype=torch.float32) for _ in v2]
+    gk = None if keys is None else [torch.empty((n, rank), dtype=torch.float32) for _ in k2]
+    partials = [torch.zeros((nc, rank), dtype=torch.float32)]
+    args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
+            lse2.data_ptr(), None if dout is None else dout.data_ptr(),
+            None if dlse is None else dlse.data_ptr(), _table([g.data_ptr() for g in gv], _P),
+            _table([g.data_ptr() for g in (gk or gv)], _P))  # fmt: skip
+    _run(lib.read_bwd, args, n, partials)
+    grad_keys = None if gk is None else [g.view(k.shape) for g, k in zip(gk, keys, strict=True)]
+    return [g.view(shape) for g in gv], grad_keys, torch.stack(partials[1:]).sum(0)
+
+
+def _partial_key(pv2, partial_key, rank):
+    return pv2[:, pv2.shape[-1] - rank :] if partial_key is None else _rows(partial_key)
+
+
+def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
+    """``composite.merge_fwd`` fused, or None when not applicable."""
+    if not _usable(out1, lse1, partial_value, partial_key, query) or (lib := library()) is None:
+        return None
+    q = query.float().contiguous()
+    rank = q.shape[-1]
+    o1, pv = _rows(out1), _rows(partial_value)
+    pk = _partial_key(pv, partial_key, rank)
+    n, d = pv.shape
+    lse = lse1.reshape(n).contiguous()
+    h = torch.empty((n, d), dtype=torch.float32)
+    norm = torch.empty((n, d), dtype=torch.float32) if emit_norm else h.new_empty(0)
+    args = (n, d, rank, o1.data_ptr(), o1.stride(0), lse.data_ptr(), pv.data_ptr(), pv.stride(0),
+            pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps), NORM_EPS, h.data_ptr(),
+            norm.data_ptr() if emit_norm else None)  # fmt: skip
+    _run(lib.merge_fwd, args, n)
+    shape = partial_value.shape
+    return h.view(shape), (norm.view(shape) if emit_norm else norm)
+
+
+def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float):
+    """``composite.merge_bwd`` fused, or None when not applicable."""
+    if grad_norm is not None and grad_norm.numel() == 0:
+        grad_norm = None
+    tensors = (out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm)
+    if not _usable(*tensors) or (lib := library()) is None:
+        return None
+    q = query.float().contiguous()
+    rank = q.shape[-1]
+    o1, pv = _rows(out1), _rows(partial_value)
+    pk = _partial_key(pv, partial_key, rank)
+    n, d = pv.shape
+    lse = lse1.reshape(n).contiguous()
+    h2 = h.reshape(n, d).contiguous()
+    gh = None if grad_h is None else grad_h.reshape(n, d).contiguous()
+    gn = None if grad_norm is None else grad_norm.reshape(n, d).contiguous()
+    d_o1, d_pv = torch.empty((n, d)), torch.empty((n, d))
+    d_lse = torch.empty(n)
+    d_pk = None if partial_key is None else torch.empty((n, rank))
+    partials = [torch.zeros(rank)]
+    args = (n, d, rank, int(partial_key is None), o1.data_ptr(), o1.stride(0), lse.data_ptr(),
+            pv.data_ptr(), pv.stride(0), pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps),
+            NORM_EPS, h2.data_ptr(), None if gh is None else gh.data_ptr(),
+            None if gn is None else gn.data_ptr(), d_o1.data_ptr(), d_lse.data_ptr(),
+            d_pv.data_ptr(), None if d_pk is None else d_pk.data_ptr())  # fmt: skip
+    _run(lib.merge_bwd, args, n, partials)
+    shape = partial_value.shape
+    dk = None if d_pk is None else d_pk.view(partial_key.shape)
+    dq = torch.stack(partials[1:]).sum(0)
+    return d_o1.view(shape), d_lse.view(lse1.shape), d_pv.view(shape), dk, dq

@@ -1,0 +1,212 @@
+/* Fused CPU kernels of the depth read (SPEC §2, §7), fp32, one pass over each token's rows.
+ *
+ * The caller (custom_ops/cpu/__init__.py) splits the tokens [t0, t1) across threads; every
+ * function touches only its own tokens (and its own dq partial), so calls never race.
+ * Pointers: sources are S row-major [n, d] (value) / [n, r] (key) matrices with unit column
+ * stride and their own row strides (elements); sliced keys are the last r columns of the value.
+ * Outputs and gradients are contiguous. Small per-token reductions accumulate in double, the
+ * d-length products in float with eight independent lanes (vectorised, tree-like rounding).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *a, const float *b, int64_t n) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) lane[l] += a[j + l] * b[j + l];
+    double acc = 0;
+    for (; j < n; j++) acc += (double)a[j] * b[j];
+    for (int l = 0; l < 8; l++) acc += lane[l];
+    return (float)acc;
+}
+
+/* rstd of one key row and its logits against the C queries: l[c] = rstd * <q_c, k>. */
+static float key_logits(const float *k, const float *q, int64_t C, int64_t r, double eps,
+                        float *l) {
+    double ss = 0;
+    for (int64_t j = 0; j < r; j++) ss += (double)k[j] * k[j];
+    float rstd = (float)(1.0 / sqrt(ss / (double)r + eps));
+    for (int64_t c = 0; c < C; c++) l[c] = rstd * dot(q + c * r, k, r);
+    return rstd;
+}
+
+static const float *key_row(const float *const *vp, const int64_t *vs, const float *const *kp,
+                            const int64_t *ks, int sliced, int64_t s, int64_t i, int64_t d,
+                            int64_t r) {
+    return sliced ? vp[s] + i * vs[s] + (d - r) : kp[s] + i * ks[s];
+}
+
+/* out [C, n, d], lse [C, n]; work: 2*S*C floats. */
+void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+              const float *const *vp, const int64_t *vs, const float *const *kp,
+              const int64_t *ks, const float *q, double eps, float *out, float *lse,
+              int64_t t0, int64_t t1) {
+    float *l = malloc(sizeof(float) * S * C);
+    for (int64_t i = t0; i < t1; i++) {
+        for (int64_t s = 0; s < S; s++)
+            key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps, l + s * C);
+        for (int64_t c = 0; c < C; c++) {
+            float m = -INFINITY;
+            for (int64_t s = 0; s < S; s++) m = fmaxf(m, l[s * C + c]);
+            double z = 0;
+            for (int64_t s = 0; s < S; s++) z += exp((double)(l[s * C + c] - m));
+            lse[c * n + i] = m + (float)log(z);
+            for (int64_t s = 0; s < S; s++) l[s * C + c] = (float)(exp((double)(l[s * C + c] - m)) / z);
+        }
+        for (int64_t c = 0; c < C; c++) {
+            float *o = out + (c * n + i) * d;
+            const float *v = vp[0] + i * vs[0];
+            float a = l[c];
+            for (int64_t j = 0; j < d; j++) o[j] = a * v[j];
+            for (int64_t s = 1; s < S; s++) {
+                v = vp[s] + i * vs[s];
+                a = l[s * C + c];
+                for (int64_t j = 0; j < d; j++) o[j] += a * v[j];
+            }
+        }
+    }
+    free(l);
+}
+
+/* Adds the key gradient of sum_c dl[c] * l[c] (l[c] = rstd <q_c, k>) into g [r] and
+ * dl[c] * rstd * k into dq [C, r]. RMSNorm backward: dk = rstd dl^T q - k rstd^2 sum(dl l) / r. */
+static void key_grad(const float *k, float rstd, const float *l, const float *dl, const float *q,
+                     int64_t C, int64_t r, float *g, float *dq) {
+    double gl = 0;
+    for (int64_t c = 0; c < C; c++) gl += (double)dl[c] * l[c];
+    float coef = (float)(gl * rstd * rstd / (double)r);
+    for (int64_t j = 0; j < r; j++) g[j] -= k[j] * coef;
+    for (int64_t c = 0; c < C; c++) {
+        float a = dl[c] * rstd;
+        const float *qc = q + c * r;
+        float *dqc = dq + c * r;
+        for (int64_t j = 0; j < r; j++) {
+            g[j] += a * qc[j];
+            dqc[j] += a * k[j];
+        }
+    }
+}
+
+/* Backward of read_fwd. dout [C, n, d] and dlse [C, n] may be NULL. gv: S contiguous [n, d];
+ * gk: S contiguous [n, r] (unused if sliced); dq [C, r] partial of this call, accumulated. */
+void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+              const float *const *vp, const int64_t *vs, const float *const *kp,
+              const int64_t *ks, const float *q, double eps, const float *lse,
+              const float *dout, const float *dlse, float *const *gv, float *const *gk,
+              float *dq, int64_t t0, int64_t t1) {
+    float *l = malloc(sizeof(float) * S * C * 3 + sizeof(float) * S);
+    float *a = l + S * C, *dl = a + S * C, *rstd = dl + S * C;
+    for (int64_t i = t0; i < t1; i++) {
+        for (int64_t s = 0; s < S; s++)
+            rstd[s] = key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps,
+                                 l + s * C);
+        for (int64_t c = 0; c < C; c++) {
+            /* e^{l - lse} sums to 1 only up to rounding, and da - D amplifies that error for a
+             * dominant source: renormalised, the gradients are as exact as the eager ones. */
+            double z = 0, big_d = 0;
+            for (int64_t s = 0; s < S; s++) {
+                a[s * C + c] = (float)exp((double)(l[s * C + c] - lse[c * n + i]));
+                z += a[s * C + c];
+            }
+            const float *dh = dout ? dout + (c * n + i) * d : NULL;
+            for (int64_t s = 0; s < S; s++) {
+                a[s * C + c] = (float)(a[s * C + c] / z);
+                float da = dh ? dot(dh, vp[s] + i * vs[s], d) : 0.0f;
+                dl[s * C + c] = da;
+                big_d += (double)a[s * C + c] * da;
+            }
+            float extra = dlse ? dlse[c * n + i] : 0.0f;
+            for (int64_t s = 0; s < S; s++)
+                dl[s * C + c] = a[s * C + c] * (dl[s * C + c] - (float)big_d + extra);
+        }
+        for (int64_t s = 0; s < S; s++) {
+            float *g = gv[s] + i * d;
+            if (dout) {
+                const float *dh = dout + i * d;
+                float w = a[s * C];
+                for (int64_t j = 0; j < d; j++) g[j] = w * dh[j];
+                for (int64_t c = 1; c < C; c++) {
+                    dh = dout + (c * n + i) * d;
+                    w = a[s * C + c];
+                    for (int64_t j = 0; j < d; j++) g[j] += w * dh[j];
+                }
+            } else {
+                memset(g, 0, sizeof(float) * d);
+            }
+            const float *k = key_row(vp, vs, kp, ks, sliced, s, i, d, r);
+            float *gkey = sliced ? g + (d - r) : gk[s] + i * r;
+            if (!sliced) memset(gkey, 0, sizeof(float) * r);
+            key_grad(k, rstd[s], l + s * C, dl + s * C, q, C, r, gkey, dq);
+        }
+    }
+    free(l);
+}
+
+/* Phase-2 merge weights of token i: returns w2 (the partial's share); *logit, *rstd set. */
+static float merge_weight(const float *k, const float *q, int64_t r, double eps, float lse1,
+                          float *logit, float *rstd) {
+    *rstd = key_logits(k, q, 1, r, eps, logit);
+    float m = fmaxf(lse1, *logit);
+    float w1 = expf(lse1 - m), w2 = expf(*logit - m);
+    return w2 / (w1 + w2);
+}
+
+/* h [n, d] = w1 out1 + w2 pv; norm [n, d] = RMSNorm(h) (norm_eps) when norm != NULL. */
+void merge_fwd(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, const float *lse1,
+               const float *pv, int64_t pvs, const float *pk, int64_t pks, const float *q,
+               double eps, double norm_eps, float *h, float *norm, int64_t t0, int64_t t1) {
+    (void)n; /* rows are addressed through their strides; n is the tensors' row count */
+    for (int64_t i = t0; i < t1; i++) {
+        float logit, rstd;
+        float w2 = merge_weight(pk + i * pks, q, r, eps, lse1[i], &logit, &rstd), w1 = 1 - w2;
+        const float *a = o1 + i * o1s, *b = pv + i * pvs;
+        float *hi = h + i * d;
+        for (int64_t j = 0; j < d; j++) hi[j] = w1 * a[j] + w2 * b[j];
+        if (norm) {
+            float hr = (float)(1.0 / sqrt((double)dot(hi, hi, d) / (double)d + norm_eps));
+            float *ni = norm + i * d;
+            for (int64_t j = 0; j < d; j++) ni[j] = hi[j] * hr;
+        }
+    }
+}
+
+/* Backward of merge_fwd. gh [n, d] and gn [n, d] (grad of norm) may be NULL; h is the saved
+ * output. Writes d_out1, d_pv [n, d], d_lse1 [n], d_pk [n, r] (NULL if sliced: added into the
+ * tail of d_pv), accumulates dq [r]. */
+void merge_bwd(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int64_t o1s,
+               const float *lse1, const float *pv, int64_t pvs, const float *pk, int64_t pks,
+               const float *q, double eps, double norm_eps, const float *h, const float *gh,
+               const float *gn, float *d_o1, float *d_lse1, float *d_pv, float *d_pk, float *dq,
+               int64_t t0, int64_t t1) {
+    (void)n;
+    float *dh = malloc(sizeof(float) * d);
+    for (int64_t i = t0; i < t1; i++) {
+        float logit, rstd;
+        const float *k = pk + i * pks;
+        float w2 = merge_weight(k, q, r, eps, lse1[i], &logit, &rstd), w1 = 1 - w2;
+        if (gh) memcpy(dh, gh + i * d, sizeof(float) * d);
+        else memset(dh, 0, sizeof(float) * d);
+        if (gn) {
+            const float *hi = h + i * d, *gy = gn + i * d;
+            float hr = (float)(1.0 / sqrt((double)dot(hi, hi, d) / (double)d + norm_eps));
+            /* y = h hr: dh += hr (gy - y mean(gy y)) = hr (gy - h hr^2 <gy, h> / d) */
+            float cy = dot(gy, hi, d) * hr * hr / (float)d;
+            for (int64_t j = 0; j < d; j++) dh[j] += hr * (gy[j] - hi[j] * cy);
+        }
+        const float *a = o1 + i * o1s, *b = pv + i * pvs;
+        float dl = w1 * w2 * (dot(dh, b, d) - dot(dh, a, d));
+        d_lse1[i] = -dl;
+        float *go = d_o1 + i * d, *gp = d_pv + i * d;
+        for (int64_t j = 0; j < d; j++) {
+            go[j] = w1 * dh[j];
+            gp[j] = w2 * dh[j];
+        }
+        float *gkey = sliced ? gp + (d - r) : d_pk + i * r;
+        if (!sliced) memset(gkey, 0, sizeof(float) * r);
+        key_grad(k, rstd, &logit, &dl, q, 1, r, gkey, dq);
+    }
+    free(dh);
+}

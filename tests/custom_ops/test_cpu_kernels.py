@@ -1,0 +1,74 @@
+"""The fused CPU kernels (``custom_ops.cpu``, serving the ``compiled`` impl for fp32 on CPU)
+against the eager composite they replace and the reference: they must build here (a missing
+compiler would silently fall back), agree on every output and gradient, and leave 16-bit inputs
+to the composite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from custom_ops import composite, cpu
+from tests.custom_ops.cases import ReadCase, make_read, read_cases
+from tests.custom_ops.test_custom_ops_read import (
+    check_block_read,
+    check_depth_read,
+    check_merge_partial,
+)
+from tests.custom_ops.tolerances import assert_close
+
+
+def test_library_builds():
+    assert cpu.ENABLED, "LRATTNRES_CPU_KERNELS=0 is set: the fused CPU kernels are not tested"
+    assert cpu.library() is not None
+
+
+def test_sixteen_bit_inputs_are_left_to_the_composite():
+    values, keys, query = make_read(ReadCase((5,), 8, 4, 3, False, torch.bfloat16, seed=1))
+    assert cpu.read_fwd(values, keys, query[None], 1e-6) is None
+
+
+def _detached(case: ReadCase, n_queries: int):
+    values, keys, queries = make_read(case, n_queries)
+    return (
+        [v.detach() for v in values],
+        None if keys is None else [k.detach() for k in keys],
+        (queries.detach()),
+    )
+
+
+@settings(deadline=None, max_examples=20)
+@given(read_cases(max_sources=10, max_tokens=300), st.integers(1, 5), st.booleans())
+def test_read_matches_composite(case, n_queries, with_lse_grad):
+    case = ReadCase(case.lead, case.d, case.r, case.sources, case.sliced, torch.float32, case.seed)
+    values, keys, queries = _detached(case, n_queries)
+    got, want = (
+        cpu.read_fwd(values, keys, queries, 1e-6),
+        composite.read_fwd(values, keys, queries, 1e-6),
+    )
+    assert_close("out", got[0], want[0], torch.float32)
+    assert_close("lse", got[1], want[1], torch.float32)
+    g = torch.Generator().manual_seed(case.seed)
+    dout = torch.randn(got[0].shape, generator=g)
+    dlse = torch.randn(got[1].shape, generator=g) if with_lse_grad else None
+    a = cpu.read_bwd(values, keys, queries, want[1], dout, dlse, 1e-6)
+    b = composite.read_bwd(values, keys, queries, want[1], dout, dlse, 1e-6)
+    for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
+        assert_close(f"grad value {i}", x, y, torch.float32)
+    for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
+        assert_close(f"grad key {i}", x, y, torch.float32)
+    assert_close("grad queries", a[2], b[2], torch.float32)
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["fused", "composite"])
+@pytest.mark.parametrize("sliced", [True, False])
+def test_both_cpu_paths_match_the_reference(monkeypatch, enabled, sliced):
+    """fp32 through the public ops, with the fused kernels and with the eager composite."""
+    monkeypatch.setattr(cpu, "ENABLED", enabled)
+    case = ReadCase((3, 70), 40, 12, 6, sliced, torch.float32, seed=9)  # several token chunks
+    check_depth_read(case)
+    check_block_read(case, 4)
+    for emit_norm in (False, True):
+        check_merge_partial(case, emit_norm)
