@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -26,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# name: (variant, blocks, rank); standard AttnRes has r = d (rank ignored)
+# name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
+# {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
 VARIANTS = {
     "baseline": ("baseline", None, 0),
     "block8": ("attnres", 8, 0),
@@ -34,6 +36,23 @@ VARIANTS = {
     "projected8_r32": ("projected", 8, 32),
     "full": ("attnres", None, 0),
 }
+_NAME = re.compile(r"(attnres|sliced|projected)(\d+|full)(?:_r(\d+))?")
+
+
+def parse_variant(name: str) -> tuple[str, int | None, int]:
+    """``(variant, blocks or None, rank)`` of a variant name."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(
+            f"unknown variant {name!r}: use one of {', '.join(VARIANTS)} or "
+            "{attnres|sliced|projected}{N|full}[_r{R}], e.g. sliced4_r32"
+        )
+    blocks = None if m[2] == "full" else int(m[2])
+    return m[1], blocks, int(m[3] or 0)
+
+
 DEFAULT_VARIANTS = tuple(VARIANTS)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -60,7 +79,7 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
 
     from titan_lrattnres.registry import Flavor, build_model_config
 
-    variant, blocks, rank = VARIANTS[name]
+    variant, blocks, rank = parse_variant(name)
     flavor = Flavor(
         dim=shape.dim,
         n_layers=shape.layers,
@@ -168,9 +187,8 @@ def measure(
     range. ``variants`` must include ``"baseline"``."""
     if "baseline" not in variants:
         raise ValueError("variants must include 'baseline' (ratios are taken against it)")
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variants {unknown}; known: {', '.join(VARIANTS)}")
+    for name in variants:
+        parse_variant(name)  # a bad name fails before anything is built
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g).to(device)
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
@@ -201,7 +219,7 @@ def measure(
     for name in variants:
         pct = [100 * (t / b - 1) for t, b in zip(times[name], times["baseline"], strict=True)]
         result[name] = {
-            "variant": VARIANTS[name],
+            "variant": parse_variant(name),
             "step_s": times[name],
             "median_step_s": statistics.median(times[name]),
             "overhead_pct": pct,
