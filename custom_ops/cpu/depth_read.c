@@ -52,9 +52,13 @@ void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
             float m = -INFINITY;
             for (int64_t s = 0; s < S; s++) m = fmaxf(m, l[s * C + c]);
             double z = 0;
-            for (int64_t s = 0; s < S; s++) z += exp((double)(l[s * C + c] - m));
+            for (int64_t s = 0; s < S; s++) {
+                l[s * C + c] = expf(l[s * C + c] - m);
+                z += l[s * C + c];
+            }
             lse[c * n + i] = m + (float)log(z);
-            for (int64_t s = 0; s < S; s++) l[s * C + c] = (float)(exp((double)(l[s * C + c] - m)) / z);
+            float inv_z = (float)(1.0 / z);
+            for (int64_t s = 0; s < S; s++) l[s * C + c] *= inv_z;
         }
         for (int64_t c = 0; c < C; c++) {
             float *o = out + (c * n + i) * d;
@@ -108,7 +112,7 @@ void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
              * dominant source: renormalised, the gradients are as exact as the eager ones. */
             double z = 0, big_d = 0;
             for (int64_t s = 0; s < S; s++) {
-                a[s * C + c] = (float)exp((double)(l[s * C + c] - lse[c * n + i]));
+                a[s * C + c] = expf(l[s * C + c] - lse[c * n + i]);
                 z += a[s * C + c];
             }
             const float *dh = dout ? dout + (c * n + i) * d : NULL;
