@@ -1,11 +1,12 @@
-"""Plain-PyTorch depth read: the CPU kernel of the ``lrattnres::`` ops and the ``compiled`` backend.
+"""Plain-PyTorch depth read: the ``compiled`` impl on CUDA (through torch.compile) and, on CPU,
+for 16-bit inputs and wherever the fused C kernels (``custom_ops.cpu``) are unavailable.
 
-Same maths as ``custom_ops.reference`` (SPEC §2, §7), laid out for a CPU at its memory limit:
-every large tensor (values, outputs, their gradients: ``[tokens, d]``) is touched by a few
-whole-tensor elementwise passes, and everything per source and per token is computed on small
-``[S, tokens, C]`` tensors with 2-D matmuls over the r key dims. No per-token batched matmul (an
-``einsum`` over ``...`` becomes one ``bmm`` per token, and CPU ``bmm`` loops over the batch in
-C++ with a ``select`` per token) and no stacking copy of the values.
+Same maths as ``custom_ops.reference`` (SPEC §2, §7), laid out for few eager passes: every large
+tensor (values, outputs, their gradients: ``[tokens, d]``) is touched by a few whole-tensor
+elementwise passes, and everything per source and per token is computed on small ``[S, tokens, C]``
+tensors with 2-D matmuls over the r key dims. No per-token batched matmul (an ``einsum`` over
+``...`` becomes one ``bmm`` per token, and CPU ``bmm`` loops over the batch in C++ with a
+``select`` per token) and no stacking copy of the values.
 
 - forward: logits of every source (``[tokens, r] @ [r, C]``), softmax over the S sources on the
   small logits, then ``out_c = Σ_s α_{s,c} v_s`` accumulated in place in fp32 (``addcmul_``);

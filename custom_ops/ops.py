@@ -18,14 +18,15 @@ Ops (one name on every machine; the backward of every op is itself an op):
     lrattnres::merge_partial_backward(..., Tensor h, Tensor? grad_h, Tensor? grad_norm, ...)
         -> (d_out1, d_lse1, d_partial_value, d_partial_key (empty if sliced), d_query)
 
-``impl`` is ``"compiled"`` (plain PyTorch, ``custom_ops.composite``; torch.compile'd on CUDA) or
-``"triton"`` (``custom_ops.kernels``; on CPU tensors only under ``TRITON_INTERPRET=1``).
+``impl`` is ``"compiled"`` (on CPU the fused C kernels of ``custom_ops.cpu`` for fp32, the eager
+``custom_ops.composite`` otherwise; on CUDA the composite through torch.compile) or ``"triton"``
+(``custom_ops.kernels``; on CPU tensors only under ``TRITON_INTERPRET=1``).
 
 All ops are registered with ``torch.library.custom_op`` (opaque to compile/export), on CPU and on
-CUDA. Not ``triton_op``: the kernels take the list of sources as a device table of data pointers,
-and a ``triton_op`` body is traced with FakeTensors, where ``data_ptr()`` raises ("Cannot access
-data pointer of Tensor", notes/cpu-environment.md §3b). Inductor therefore cannot fuse into the
-kernels, which are already whole reads; it launches them as opaque calls.
+CUDA. Not ``triton_op``: the kernels take the sources as a bucket-padded tuple of tensors, and
+torch.compile mis-traces a ``triton_op`` whose kernel gets a tuple built from a ``list[Tensor]``
+(members frozen as constants, writes dropped: ../shared/notes/kernel-inputs.md). Inductor would
+not fuse into a user kernel anyway; it launches the whole read as one opaque call.
 """
 
 from __future__ import annotations
