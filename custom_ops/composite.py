@@ -3,12 +3,12 @@ for 16-bit inputs and wherever the fused C kernels (``custom_ops.cpu``) are unav
 
 Same maths as ``custom_ops.reference`` (SPEC §2, §7), laid out for few eager passes: every large
 tensor (values, outputs, their gradients: ``[tokens, d]``) is touched by a few whole-tensor
-elementwise passes, and everything per source and per token is computed on small ``[S, tokens, C]``
+elementwise passes, and everything per source and per token is computed on small ``[S, C, tokens]``
 tensors with 2-D matmuls over the r key dims. No per-token batched matmul (an ``einsum`` over
 ``...`` becomes one ``bmm`` per token, and CPU ``bmm`` loops over the batch in C++ with a
 ``select`` per token) and no stacking copy of the values.
 
-- forward: logits of every source (``[tokens, r] @ [r, C]``), softmax over the S sources on the
+- forward: logits of every source (``[C, r] @ [r, tokens]``), softmax over the S sources on the
   small logits, then ``out_c = Σ_s α_{s,c} v_s`` accumulated in place in fp32 (``addcmul_``);
 - backward: recomputes α from the saved log-sum-exp, ``dα_{s,c} = <dh_c, v_s>``,
   ``dℓ = α (dα - Σ_s' α dα + dlse)``, ``dv_s = Σ_c α_{s,c} dh_c``, the key gradient through the
