@@ -69,6 +69,7 @@ class Sources(NamedTuple):
 
 
 def sources(values, keys, rank: int) -> Sources:
+    """``Sources`` of S values ``[..., d]`` and keys ``[..., r]`` (None: sliced keys)."""
     v2 = [rows(v) for v in values]
     n, d = bucket(len(v2)), v2[0].shape[-1]
     vs = [v.stride(0) for v in v2]

@@ -281,9 +281,12 @@ def merge_bwd_launch(
     d_lse1 = torch.empty((t,), dtype=torch.float32, device=dev)
     d_pv = torch.empty((t, d), dtype=pv.dtype, device=dev)
     d_pk = None if partial_key is None else torch.empty((t, rank), dtype=pk.dtype, device=dev)
-    # Up to five [T, D] tiles live at once (dh, h, dy, out1, v): half the read's budget. ptxas -v,
-    # fp32 d = 1024 sliced + norm: 4096 -> 128 regs + 8 B spill; 2048 -> 79 regs.
+    # Up to five [T, D] tiles live at once (dh, h, dy, out1, v): half the read's tile on the same
+    # threads (blocks gives 2048-element tiles half the warps). ptxas -v, d = 1024, all dtypes,
+    # r and modes: [4, 1024] x 8 warps up to 170 regs (fp32 sliced + norm: 8 B spill), [2, 1024]
+    # x 4 warps 64 regs + 4-8 B spill (bf16 keys), [2, 1024] x 8 warps <= 75 regs, no spill.
     _, bt, bd, br, warps = common.blocks(1, d, rank, 2048, gpu=gpu)
+    warps *= 2
     programs = triton.cdiv(t, bt)
     dq = torch.zeros((programs, rank), dtype=torch.float32, device=dev)
     launch = common.Launch(
