@@ -56,7 +56,8 @@ def _validate(values, keys, query, query_dim: int):
         for i, k in enumerate(keys):
             if k.device != v0.device:
                 raise ValueError(f"key {i} is on {k.device}, values on {v0.device}")
-            # the kernels read every key as key 0's type; one dtype per call, as for values
+            # one dtype per call on every backend, as for values (the Triton launchers would
+            # promote; the CPU kernels and the reference would not agree on the rounding)
             if k.dtype != keys[0].dtype:
                 raise ValueError(
                     f"key {i} is {k.dtype}, key 0 is {keys[0].dtype}: keys must share one dtype"
