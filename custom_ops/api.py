@@ -56,8 +56,8 @@ def _validate(values, keys, query, query_dim: int):
         for i, k in enumerate(keys):
             if k.device != v0.device:
                 raise ValueError(f"key {i} is on {k.device}, values on {v0.device}")
-            # one dtype per call on every backend, as for values (the Triton launchers would
-            # promote; the CPU kernels and the reference would not agree on the rounding)
+            # one dtype per call, as for values: the same answer on every backend (the Triton
+            # launchers alone could promote mixed keys; the CPU kernels take fp32 only)
             if k.dtype != keys[0].dtype:
                 raise ValueError(
                     f"key {i} is {k.dtype}, key 0 is {keys[0].dtype}: keys must share one dtype"
