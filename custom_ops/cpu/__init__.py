@@ -3,7 +3,9 @@
 Same contracts as ``custom_ops.composite`` (query bank ``[C, r]``, fp32 results shaped
 ``[C, ...]``), one pass per token over its rows: each value row is read once in the forward and
 once in the backward, where the eager composite makes C·S whole-tensor passes plus temporaries.
-Tokens are split across ``torch.get_num_threads()`` threads (ctypes releases the GIL).
+Tokens are split over ``torch.get_num_threads()`` OpenMP threads of the libgomp torch has
+already loaded (the library links ``libgomp.so.1``, which resolves to torch's copy): the kernels
+share torch's thread pool instead of competing with its spinning workers.
 
 Scope: fp32 tensors on CPU whose rows have unit column stride (other layouts are copied, kept
 alive for the call). Every function returns None when it cannot serve the call (another dtype
@@ -24,7 +26,6 @@ import shutil
 import subprocess
 import tempfile
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -34,14 +35,12 @@ NORM_EPS = torch.finfo(torch.float32).eps
 _SOURCE = Path(__file__).with_name("depth_read.c")
 _MIN_TOKENS_PER_THREAD = 64
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_SIGNATURES = {
-    "read_fwd": [_I] * 5 + [ctypes.c_int] + [_P] * 5 + [_D] + [_P] * 2 + [_I] * 2,
-    "read_bwd": [_I] * 5 + [ctypes.c_int] + [_P] * 5 + [_D] + [_P] * 6 + [_I] * 2,
-    "merge_fwd": [_I] * 3 + [_P, _I, _P, _P, _I, _P, _I, _P, _D, _D, _P, _P, _I, _I],
-    "merge_bwd": [_I] * 3
-    + [ctypes.c_int, _P, _I, _P, _P, _I, _P, _I, _P, _D, _D]
-    + [_P] * 8
-    + [_I, _I],
+_N = ctypes.c_int
+_SIGNATURES = {  # the last argument is the thread count
+    "read_fwd": [_I] * 5 + [_N] + [_P] * 5 + [_D] + [_P] * 2 + [_N],
+    "read_bwd": [_I] * 5 + [_N] + [_P] * 5 + [_D] + [_P] * 6 + [_N],
+    "merge_fwd": [_I] * 3 + [_P, _I, _P, _P, _I, _P, _I, _P, _D, _D, _P, _P, _N],
+    "merge_bwd": [_I] * 3 + [_N, _P, _I, _P, _P, _I, _P, _I, _P, _D, _D] + [_P] * 8 + [_N],
 }
 
 
@@ -66,7 +65,7 @@ def library():
     if cc is None:
         warnings.warn("no C compiler: the CPU depth read runs the eager composite", stacklevel=2)
         return None
-    flags = ["-O3", "-march=native", "-fno-math-errno", "-shared", "-fPIC"]
+    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
     # -march=native: the key includes this CPU's model and flags (a shared cache directory must
     # never hand one machine a library built for another's instruction set)
     ident = " ".join([cc, *flags, platform.machine(), _cpu_identity()])
@@ -94,33 +93,8 @@ def library():
     return lib
 
 
-@functools.cache
-def _pool(workers: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(workers, thread_name_prefix="lrattnres-cpu")
-
-
-def _chunks(n: int) -> list[tuple[int, int]]:
-    parts = max(1, min(torch.get_num_threads(), n // _MIN_TOKENS_PER_THREAD))
-    bounds = [n * p // parts for p in range(parts + 1)]
-    return list(zip(bounds[:-1], bounds[1:], strict=True))
-
-
-def _run(fn, args, n: int, partials: list[torch.Tensor] | None = None) -> None:
-    """``fn(*args, [partial], t0, t1)`` over token chunks, in parallel; ``partials`` (one fp32
-    accumulator per chunk, appended before the bounds) are created here and summed by the
-    caller."""
-    chunks = _chunks(n)
-    calls = []
-    for t0, t1 in chunks:
-        extra = ()
-        if partials is not None:
-            partials.append(torch.zeros_like(partials[0]) if partials else None)
-            extra = (partials[-1].data_ptr(),)
-        calls.append((*args, *extra, t0, t1))
-    if len(calls) == 1:
-        fn(*calls[0])
-        return
-    list(_pool(len(calls)).map(lambda a: fn(*a), calls))
+def _threads(n: int) -> int:
+    return max(1, min(torch.get_num_threads(), n // _MIN_TOKENS_PER_THREAD))
 
 
 def _usable(*tensors) -> bool:
@@ -165,7 +139,7 @@ def read_fwd(values, keys, queries, eps: float):
     lse = torch.empty((nc, n), dtype=torch.float32)
     args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
             out.data_ptr(), lse.data_ptr())  # fmt: skip
-    _run(lib.read_fwd, args, n)
+    lib.read_fwd(*args, _threads(n))
     return out.view(nc, *lead, d), lse.view(nc, *lead)
 
 
@@ -185,14 +159,15 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     dlse = None if grad_lse is None else grad_lse.reshape(nc, n).contiguous()
     gv = [torch.empty((n, d), dtype=torch.float32) for _ in v2]
     gk = None if keys is None else [torch.empty((n, rank), dtype=torch.float32) for _ in k2]
-    partials = [torch.zeros((nc, rank), dtype=torch.float32)]
+    threads = _threads(n)
+    dq = torch.zeros((threads, nc, rank), dtype=torch.float32)  # one partial per thread
     args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
             lse2.data_ptr(), None if dout is None else dout.data_ptr(),
             None if dlse is None else dlse.data_ptr(), _table([g.data_ptr() for g in gv], _P),
-            _table([g.data_ptr() for g in (gk or gv)], _P))  # fmt: skip
-    _run(lib.read_bwd, args, n, partials)
+            _table([g.data_ptr() for g in (gk or gv)], _P), dq.data_ptr())  # fmt: skip
+    lib.read_bwd(*args, threads)
     grad_keys = None if gk is None else [g.view(k.shape) for g, k in zip(gk, keys, strict=True)]
-    return [g.view(shape) for g in gv], grad_keys, torch.stack(partials[1:]).sum(0)
+    return [g.view(shape) for g in gv], grad_keys, dq.sum(0)
 
 
 def _partial_key(pv2, partial_key, rank):
@@ -214,7 +189,7 @@ def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_no
     args = (n, d, rank, o1.data_ptr(), o1.stride(0), lse.data_ptr(), pv.data_ptr(), pv.stride(0),
             pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps), NORM_EPS, h.data_ptr(),
             norm.data_ptr() if emit_norm else None)  # fmt: skip
-    _run(lib.merge_fwd, args, n)
+    lib.merge_fwd(*args, _threads(n))
     shape = partial_value.shape
     return h.view(shape), (norm.view(shape) if emit_norm else norm)
 
@@ -238,14 +213,14 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     d_o1, d_pv = torch.empty((n, d)), torch.empty((n, d))
     d_lse = torch.empty(n)
     d_pk = None if partial_key is None else torch.empty((n, rank))
-    partials = [torch.zeros(rank)]
+    threads = _threads(n)
+    dq = torch.zeros((threads, rank))
     args = (n, d, rank, int(partial_key is None), o1.data_ptr(), o1.stride(0), lse.data_ptr(),
             pv.data_ptr(), pv.stride(0), pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps),
             NORM_EPS, h2.data_ptr(), None if gh is None else gh.data_ptr(),
             None if gn is None else gn.data_ptr(), d_o1.data_ptr(), d_lse.data_ptr(),
-            d_pv.data_ptr(), None if d_pk is None else d_pk.data_ptr())  # fmt: skip
-    _run(lib.merge_bwd, args, n, partials)
+            d_pv.data_ptr(), None if d_pk is None else d_pk.data_ptr(), dq.data_ptr())  # fmt: skip
+    lib.merge_bwd(*args, threads)
     shape = partial_value.shape
     dk = None if d_pk is None else d_pk.view(partial_key.shape)
-    dq = torch.stack(partials[1:]).sum(0)
-    return d_o1.view(shape), d_lse.view(lse1.shape), d_pv.view(shape), dk, dq
+    return d_o1.view(shape), d_lse.view(lse1.shape), d_pv.view(shape), dk, dq.sum(0)

@@ -1,13 +1,15 @@
 /* Fused CPU kernels of the depth read (SPEC §2, §7), fp32, one pass over each token's rows.
  *
- * The caller (custom_ops/cpu/__init__.py) splits the tokens [t0, t1) across threads; every
- * function touches only its own tokens (and its own dq partial), so calls never race.
+ * Each exported function splits the tokens over `threads` OpenMP threads; linked against the
+ * libgomp that torch has already loaded, they share torch's thread pool (no oversubscription).
+ * A thread touches only its own tokens and its own dq partial (dq is [threads, ...]).
  * Pointers: sources are S row-major [n, d] (value) / [n, r] (key) matrices with unit column
  * stride and their own row strides (elements); sliced keys are the last r columns of the value.
  * Outputs and gradients are contiguous. Small per-token reductions accumulate in double, the
  * d-length products in float with eight independent lanes (vectorised, tree-like rounding).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +42,7 @@ static const float *key_row(const float *const *vp, const int64_t *vs, const flo
 }
 
 /* out [C, n, d], lse [C, n]; work: 2*S*C floats. */
-void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, float *out, float *lse,
               int64_t t0, int64_t t1) {
@@ -96,7 +98,7 @@ static void key_grad(const float *k, float rstd, const float *l, const float *dl
 
 /* Backward of read_fwd. dout [C, n, d] and dlse [C, n] may be NULL. gv: S contiguous [n, d];
  * gk: S contiguous [n, r] (unused if sliced); dq [C, r] partial of this call, accumulated. */
-void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, const float *lse,
               const float *dout, const float *dlse, float *const *gv, float *const *gk,
@@ -159,7 +161,7 @@ static float merge_weight(const float *k, const float *q, int64_t r, double eps,
 }
 
 /* h [n, d] = w1 out1 + w2 pv; norm [n, d] = RMSNorm(h) (norm_eps) when norm != NULL. */
-void merge_fwd(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, const float *lse1,
+static void merge_fwd_range(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, const float *lse1,
                const float *pv, int64_t pvs, const float *pk, int64_t pks, const float *q,
                double eps, double norm_eps, float *h, float *norm, int64_t t0, int64_t t1) {
     (void)n; /* rows are addressed through their strides; n is the tensors' row count */
@@ -180,7 +182,7 @@ void merge_fwd(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, co
 /* Backward of merge_fwd. gh [n, d] and gn [n, d] (grad of norm) may be NULL; h is the saved
  * output. Writes d_out1, d_pv [n, d], d_lse1 [n], d_pk [n, r] (NULL if sliced: added into the
  * tail of d_pv), accumulates dq [r]. */
-void merge_bwd(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int64_t o1s,
+static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int64_t o1s,
                const float *lse1, const float *pv, int64_t pvs, const float *pk, int64_t pks,
                const float *q, double eps, double norm_eps, const float *h, const float *gh,
                const float *gn, float *d_o1, float *d_lse1, float *d_pv, float *d_pk, float *dq,
@@ -213,4 +215,57 @@ void merge_bwd(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int
         key_grad(k, rstd, &logit, &dl, q, 1, r, gkey, dq);
     }
     free(dh);
+}
+
+/* Tokens [t0, t1) of thread t of nt. */
+#define SPLIT(n)                                   \
+    int t = omp_get_thread_num(), nt = omp_get_num_threads(); \
+    int64_t t0 = (n) * t / nt, t1 = (n) * (t + 1) / nt;
+
+void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+              const float *const *vp, const int64_t *vs, const float *const *kp,
+              const int64_t *ks, const float *q, double eps, float *out, float *lse,
+              int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        SPLIT(n)
+        read_fwd_range(S, C, n, d, r, sliced, vp, vs, kp, ks, q, eps, out, lse, t0, t1);
+    }
+}
+
+void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+              const float *const *vp, const int64_t *vs, const float *const *kp,
+              const int64_t *ks, const float *q, double eps, const float *lse,
+              const float *dout, const float *dlse, float *const *gv, float *const *gk,
+              float *dq, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        SPLIT(n)
+        read_bwd_range(S, C, n, d, r, sliced, vp, vs, kp, ks, q, eps, lse, dout, dlse, gv, gk,
+                       dq + (int64_t)t * C * r, t0, t1);
+    }
+}
+
+void merge_fwd(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, const float *lse1,
+               const float *pv, int64_t pvs, const float *pk, int64_t pks, const float *q,
+               double eps, double norm_eps, float *h, float *norm, int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        SPLIT(n)
+        merge_fwd_range(n, d, r, o1, o1s, lse1, pv, pvs, pk, pks, q, eps, norm_eps, h, norm, t0,
+                        t1);
+    }
+}
+
+void merge_bwd(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int64_t o1s,
+               const float *lse1, const float *pv, int64_t pvs, const float *pk, int64_t pks,
+               const float *q, double eps, double norm_eps, const float *h, const float *gh,
+               const float *gn, float *d_o1, float *d_lse1, float *d_pv, float *d_pk, float *dq,
+               int threads) {
+#pragma omp parallel num_threads(threads)
+    {
+        SPLIT(n)
+        merge_bwd_range(n, d, r, sliced, o1, o1s, lse1, pv, pvs, pk, pks, q, eps, norm_eps, h, gh,
+                        gn, d_o1, d_lse1, d_pv, d_pk, dq + (int64_t)t * r, t0, t1);
+    }
 }
