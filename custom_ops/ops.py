@@ -48,7 +48,7 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=False)
 
 
-def _composite(name: str, device: torch.device, *args):
+def _compiled_impl(name: str, device: torch.device, *args):
     """``compiled`` impl: on CPU the fused C kernel (fp32) else the eager composite; on CUDA the
     composite through torch.compile."""
     if device.type == "cuda":
@@ -65,7 +65,7 @@ def _read_fwd(values, keys, queries, eps, impl, out_dtype):
         from custom_ops.kernels import read_fwd
 
         return read_fwd.read_fwd(values, keys, queries, eps, out_dtype)
-    return _composite("read_fwd", queries.device, values, keys, queries, eps)
+    return _compiled_impl("read_fwd", queries.device, values, keys, queries, eps)
 
 
 def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
@@ -74,7 +74,7 @@ def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
 
         return read_bwd.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
     args = (values, keys, queries, lse, grad_out, grad_lse, eps)
-    return _composite("read_bwd", queries.device, *args)
+    return _compiled_impl("read_bwd", queries.device, *args)
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,7 +192,7 @@ def _merge_fwd(out1, lse1, pv, pk, query, eps, emit_norm, impl):
         from custom_ops.kernels import merge
 
         return merge.merge_fwd(out1, lse1, pv, pk, query, eps, emit_norm)
-    return _composite("merge_fwd", pv.device, out1, lse1, pv, pk, query, eps, emit_norm)
+    return _compiled_impl("merge_fwd", pv.device, out1, lse1, pv, pk, query, eps, emit_norm)
 
 
 def _merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps, impl):
@@ -201,7 +201,7 @@ def _merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps, impl):
 
         return merge.merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps)
     args = (out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps)
-    return _composite("merge_bwd", pv.device, *args)
+    return _compiled_impl("merge_bwd", pv.device, *args)
 
 
 @torch.library.custom_op("lrattnres::merge_partial", mutates_args=())
