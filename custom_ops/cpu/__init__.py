@@ -170,20 +170,22 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     return [g.view(shape) for g in gv], grad_keys, dq.sum(0)
 
 
-def _partial_key(pv2, partial_key, rank):
-    return pv2[:, pv2.shape[-1] - rank :] if partial_key is None else _rows(partial_key)
+def _merge_inputs(out1, lse1, partial_value, partial_key, query):
+    """``(q, o1, pv, pk, lse, n, d, rank)``: the merge's operands as rows (pk: the partial
+    value's tail when sliced)."""
+    q = query.float().contiguous()
+    rank = q.shape[-1]
+    o1, pv = _rows(out1), _rows(partial_value)
+    pk = pv[:, pv.shape[-1] - rank :] if partial_key is None else _rows(partial_key)
+    n, d = pv.shape
+    return q, o1, pv, pk, lse1.reshape(n).contiguous(), n, d, rank
 
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
     """``composite.merge_fwd`` fused, or None when not applicable."""
     if not _usable(out1, lse1, partial_value, partial_key, query) or (lib := library()) is None:
         return None
-    q = query.float().contiguous()
-    rank = q.shape[-1]
-    o1, pv = _rows(out1), _rows(partial_value)
-    pk = _partial_key(pv, partial_key, rank)
-    n, d = pv.shape
-    lse = lse1.reshape(n).contiguous()
+    q, o1, pv, pk, lse, n, d, rank = _merge_inputs(out1, lse1, partial_value, partial_key, query)
     h = torch.empty((n, d), dtype=torch.float32)
     norm = torch.empty((n, d), dtype=torch.float32) if emit_norm else h.new_empty(0)
     args = (n, d, rank, o1.data_ptr(), o1.stride(0), lse.data_ptr(), pv.data_ptr(), pv.stride(0),
@@ -201,12 +203,7 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     tensors = (out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm)
     if not _usable(*tensors) or (lib := library()) is None:
         return None
-    q = query.float().contiguous()
-    rank = q.shape[-1]
-    o1, pv = _rows(out1), _rows(partial_value)
-    pk = _partial_key(pv, partial_key, rank)
-    n, d = pv.shape
-    lse = lse1.reshape(n).contiguous()
+    q, o1, pv, pk, lse, n, d, rank = _merge_inputs(out1, lse1, partial_value, partial_key, query)
     h2 = h.reshape(n, d).contiguous()
     gh = None if grad_h is None else grad_h.reshape(n, d).contiguous()
     gn = None if grad_norm is None else grad_norm.reshape(n, d).contiguous()
