@@ -22,7 +22,7 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relati
 
 
 def _sync(device):
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from benchmarks.ops import _sync
+
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
 VARIANTS = {
@@ -155,11 +157,6 @@ class Step:
             self.graph.replay()
             return self.loss
         return self.eager()
-
-
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def _timed(step, device) -> float:

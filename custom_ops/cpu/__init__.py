@@ -145,9 +145,8 @@ def read_fwd(values, keys, queries, eps: float):
 
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     """``composite.read_bwd`` fused, or None when not applicable."""
-    if not _usable(*values, *(keys or ()), queries, lse, grad_out, grad_lse):
-        return None
-    if (lib := library()) is None:
+    tensors = (*values, *(keys or ()), queries, lse, grad_out, grad_lse)
+    if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
     q = queries.float().contiguous()
