@@ -136,8 +136,10 @@ def merge_partial(
     """Phase 2 of SPEC §7: merge one site's phase-1 ``(out1 [..., d], lse1 [...])`` with the live
     partial source ``partial_value [..., d]`` (key ``partial_key [..., r]``, or None = sliced tail).
 
-    Returns h ``[..., d]`` in partial_value's dtype, or ``(h, RMSNorm(h))`` when ``emit_norm``
-    (parameter-free, eps = finfo(fp32).eps, computed in fp32, returned in h's dtype).
+    Returns h ``[..., d]`` in partial_value's dtype, or ``(h, RMSNorm(h))`` when ``emit_norm``:
+    parameter-free, computed in fp32, returned in h's dtype, with the key norm's eps
+    ``finfo(fp32).eps`` (1.19e-7, fixed; the ``eps`` argument is the depth keys' eps). This is not
+    the model's sublayer RMSNorm (learned weight, eps 1e-5), which the model applies itself.
     """
     if out1.shape != partial_value.shape:
         raise ValueError(

@@ -54,20 +54,4 @@ def source_counts(num_layers: int, num_blocks: int | None) -> list[int]:
     return counts
 
 
-def block_of_sublayer(num_sublayers: int, num_blocks: int) -> list[int]:
-    """0-based block index of each sublayer j = 1..M (list index j-1)."""
-    ends = block_ends(num_sublayers, num_blocks)
-    out, n = [], 0
-    for j in range(1, num_sublayers + 1):
-        out.append(n)
-        if j == ends[n]:
-            n += 1
-    return out
-
-
-def max_sources(num_layers: int, num_blocks: int | None) -> int:
-    """Largest source set (the final read): 2L+1 for Full, N+1 for Block."""
-    return 2 * num_layers + 1 if num_blocks is None else num_blocks + 1
-
-
-__all__ = ["block_ends", "site_sources", "source_counts", "block_of_sublayer", "max_sources"]
+__all__ = ["block_ends", "site_sources", "source_counts"]

@@ -31,7 +31,6 @@ from custom_ops import reference
 from custom_ops.schedule import block_ends
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
-KEY_SOURCES = {"attnres": "sliced", "sliced": "sliced", "projected": "projected"}
 
 
 @dataclass

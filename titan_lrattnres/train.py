@@ -63,6 +63,10 @@ def preflight(config) -> None:
     from titan_lrattnres import data
 
     data.register_datasets()
+    if config.checkpoint.create_seed_checkpoint and not config.checkpoint.enable:
+        raise UsageError("--checkpoint.create_seed_checkpoint needs --checkpoint.enable")
+    if config.checkpoint.create_seed_checkpoint and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("create the seed checkpoint in one process (it must not be sharded)")
     loaders = [("--dataloader.dataset", config.dataloader)]
     if config.validator.enable:
         loaders.append(("--validator.dataloader.dataset", config.validator.dataloader))
@@ -164,7 +168,10 @@ def run(config) -> None:
     trainer = None
     try:
         trainer = config.build()
-        trainer.train()
+        if config.checkpoint.create_seed_checkpoint:
+            trainer.save_seed_checkpoint()
+        else:
+            trainer.train()
     finally:
         if trainer is not None:
             trainer.close()

@@ -194,20 +194,31 @@ class LRAttnResTrainer(Trainer):
             f"saved for this step; {keep}. Lower the learning rate or check the data."
         )
 
+    def save_seed_checkpoint(self) -> None:
+        """``--checkpoint.create_seed_checkpoint``: save the initial weights as step 0 and stop
+        (torchtitan's own ``main`` does the same; one process, so the save is unsharded)."""
+        self._write_fingerprint()
+        self.checkpointer.save(curr_step=0, last_step=True)
+        logger.info(f"seed checkpoint: {self.checkpointer._create_checkpoint_id(0)}")
+
+    def _write_fingerprint(self) -> None:
+        config = self.config
+        folder = self.checkpointer.folder
+        check_fingerprint(folder, self._fingerprint())
+        if config.checkpoint.initial_load_path:
+            check_fingerprint(
+                os.path.dirname(config.checkpoint.initial_load_path.rstrip("/")),
+                self._fingerprint(),
+            )
+        if _rank() == 0:
+            os.makedirs(folder, exist_ok=True)
+            with open(os.path.join(folder, FINGERPRINT_FILE), "w") as f:
+                json.dump(self._fingerprint(), f, indent=2, sort_keys=True)
+
     def train(self):
         config = self.config
         if config.checkpoint.enable:
-            folder = self.checkpointer.folder
-            check_fingerprint(folder, self._fingerprint())
-            if config.checkpoint.initial_load_path:
-                check_fingerprint(
-                    os.path.dirname(config.checkpoint.initial_load_path.rstrip("/")),
-                    self._fingerprint(),
-                )
-            if _rank() == 0:
-                os.makedirs(folder, exist_ok=True)
-                with open(os.path.join(folder, FINGERPRINT_FILE), "w") as f:
-                    json.dump(self._fingerprint(), f, indent=2, sort_keys=True)
+            self._write_fingerprint()
         try:
             super().train()
         except RuntimeError as e:

@@ -2,7 +2,7 @@
 
 Per token: ``ℓ = <q, RMSNorm(k_p)>``, ``w1 = σ(lse1 - ℓ)``, ``w2 = 1 - w1`` (the online-softmax
 rule with ``lse1 = log Z1``), ``h = w1·out1 + w2·v_p`` rounded to v_p's dtype, and optionally the
-parameter-free ``RMSNorm(h)`` of the rounded h for the next sublayer (eps = finfo(fp32).eps).
+parameter-free ``RMSNorm(h)`` of the rounded h (fixed eps = finfo(fp32).eps, see api.merge_partial).
 A program owns BLOCK_T tokens and loops over d tiles; with the norm, h is re-read from cache.
 """
 
