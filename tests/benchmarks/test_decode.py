@@ -1,0 +1,45 @@
+"""The decode benchmark on the debug flavor: every figure present, the baseline's own ratios 1,
+the cache counted as the model's attention sublayers hold it, depth state per step only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import decode
+
+
+def test_decode_benchmark_figures():
+    res = decode.measure(
+        "debug", variants=("baseline", "sliced2_r16", "projected2_r16"), prompt=16, new=3,
+        batches=(1, 2), rounds=1, progress=lambda _: None,
+    )  # fmt: skip
+    assert sorted(res) == [1, 2]
+    for b, rows in res.items():
+        base = rows["baseline"]
+        assert base["prefill_ratio"] == 1 and base["decode_ratio"] == 1
+        # debug: 2 attention sublayers x (k, v) x [B, 16 + 3, 4 heads, 16] fp32
+        kv = 2 * 2 * b * 19 * 4 * 16 * 4 / 2**20
+        for r in rows.values():
+            assert r["kv_cache_mib"] == pytest.approx(kv)
+            assert r["decode_ms_median"] > 0 and r["decode_ms_p90"] >= r["decode_ms_median"]
+            assert r["decode_tokens_per_s"] > 0 and r["decode_ratio"] > 0
+        # a routed forward holds the embedding, the block sums and the partial at once, the
+        # baseline only its running sum (and the embedding it started from): more bytes
+        assert rows["sliced2_r16"]["prefill_depth_state_mib"] > base["prefill_depth_state_mib"]
+        # decode state scales with the step's tokens (B x 1), not the prompt
+        ratio = rows["sliced2_r16"]["prefill_depth_state_mib"] * 2**10
+        assert rows["sliced2_r16"]["decode_depth_state_kib"] == pytest.approx(ratio / 16)
+
+
+def test_depth_state_counts_shared_storage_once():
+    x = torch.zeros(4, 8)
+    assert decode._bytes([x, x[1], x.unbind(0)[2], None]) == 4 * 8 * 4
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="include 'baseline'"):
+        decode.measure("debug", variants=("sliced2_r16",), rounds=1)
+    with pytest.raises(ValueError, match="max_seq_len 512"):
+        decode.measure("debug", variants=("baseline",), prompt=510, new=3, rounds=1)
+    assert decode.main(["--variants", "baseline,nonsense"]) == 2
