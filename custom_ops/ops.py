@@ -89,16 +89,21 @@ def _empty(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
 # --------------------------------------------------------------------------- read ops
 
 
+def read(values, keys, query, eps: float, impl: str, bank: bool):
+    """What every read op computes (``keys`` None = sliced): ``(out, lse)``, see the schema."""
+    queries = query if bank else query.unsqueeze(0)
+    out_dtype = torch.float32 if bank else values[0].dtype
+    out, lse = _read_fwd(values, keys, queries, eps, impl, out_dtype)
+    if bank:
+        return _fresh(out, torch.float32), _fresh(lse, torch.float32)
+    return _fresh(out[0], values[0].dtype), _fresh(lse[0], torch.float32)
+
+
 def _read_op(name: str, sliced: bool, bank: bool):
     """Registers one forward read op; every variant shares the generic query-bank kernels."""
 
     def run(values, keys, query, eps, impl):
-        queries = query if bank else query.unsqueeze(0)
-        out_dtype = torch.float32 if bank else values[0].dtype
-        out, lse = _read_fwd(values, None if sliced else keys, queries, eps, impl, out_dtype)
-        if bank:
-            return _fresh(out, torch.float32), _fresh(lse, torch.float32)
-        return _fresh(out[0], values[0].dtype), _fresh(lse[0], torch.float32)
+        return read(values, None if sliced else keys, query, eps, impl, bank)
 
     def fake(values, keys, query, eps, impl):
         v = values[0]
@@ -204,6 +209,13 @@ def _merge_bwd(out1, lse1, pv, pk, query, h, grad_h, grad_norm, eps, impl):
     return _compiled_impl("merge_bwd", pv.device, *args)
 
 
+def merge(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool, impl: str):
+    """What ``lrattnres::merge_partial`` computes: ``(h, norm)``, see the schema."""
+    h, norm = _merge_fwd(out1, lse1, partial_value, partial_key, query, eps, emit_norm, impl)
+    dtype = partial_value.dtype
+    return _fresh(h, dtype), _fresh(norm, dtype)
+
+
 @torch.library.custom_op("lrattnres::merge_partial", mutates_args=())
 def _merge_partial(
     out1: torch.Tensor,
@@ -215,9 +227,7 @@ def _merge_partial(
     emit_norm: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    h, norm = _merge_fwd(out1, lse1, partial_value, partial_key, query, eps, emit_norm, impl)
-    dtype = partial_value.dtype
-    return _fresh(h, dtype), _fresh(norm, dtype)
+    return merge(out1, lse1, partial_value, partial_key, query, eps, emit_norm, impl)
 
 
 @_merge_partial.register_fake

@@ -1,0 +1,67 @@
+"""Eager inference calls the ops' implementation without the dispatcher (``api._direct``): the
+same numbers as the registered op, bit for bit, and the op still runs whenever autograd, a
+trace or a dispatch mode needs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import custom_ops
+from custom_ops import api
+
+
+class Seen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _inputs(projected: bool, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(2, 3, 16, generator=g, dtype=dtype) for _ in range(3)]
+    keys = [torch.randn(2, 3, 4, generator=g) for _ in range(3)] if projected else None
+    return values, keys, torch.randn(2, 4, generator=g), torch.randn(4, generator=g)
+
+
+@pytest.mark.parametrize("projected", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_direct_equals_the_op(projected, dtype):
+    values, keys, bank, q = _inputs(projected, dtype)
+    with torch.no_grad():
+        assert api._direct(*values, bank)
+        out, lse = custom_ops.block_read(values, keys, bank)
+        h, lse1 = custom_ops.depth_read_lse(values, keys, q)
+        pk = None if keys is None else keys[0]
+        m, norm = custom_ops.merge_partial(out[0], lse[0], values[0], pk, q, emit_norm=True)
+    name = "block_read" if projected else "block_read_sliced"
+    op = getattr(torch.ops.lrattnres, name)
+    args = (values, keys, bank) if projected else (values, bank)
+    ref_out, ref_lse = op(*args, api.DEFAULT_EPS, "compiled")
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    name = "depth_read" if projected else "depth_read_sliced"
+    args = (values, keys, q) if projected else (values, q)
+    ref_h, ref_l = getattr(torch.ops.lrattnres, name)(*args, api.DEFAULT_EPS, "compiled")
+    assert torch.equal(h, ref_h) and torch.equal(lse1, ref_l)
+    ref_m, ref_n = torch.ops.lrattnres.merge_partial(
+        out[0], lse[0], values[0], pk, q, api.DEFAULT_EPS, True, "compiled"
+    )
+    assert torch.equal(m, ref_m) and torch.equal(norm, ref_n)
+
+
+def test_the_op_runs_when_needed():
+    values, keys, bank, q = _inputs(False)
+    assert not api._direct(*values, bank.requires_grad_())  # autograd must record the op
+    with torch.no_grad():
+        assert api._direct(*values, bank)
+        with Seen() as mode:  # a dispatch mode (as export and FSDP use) must see the op
+            assert not api._direct(*values, bank)
+            custom_ops.block_read(values, keys, bank)
+    assert "lrattnres.block_read_sliced.default" in mode.ops
+    out, _ = custom_ops.block_read(values, keys, bank)
+    assert out.grad_fn is not None  # with grad: the registered op's autograd
