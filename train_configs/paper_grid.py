@@ -2,22 +2,28 @@
 
 Recipe: ``paper_0p5b`` flavor, seq 2048, global batch 128 sequences = 262,144 tokens,
 10B tokens = 38,147 steps, WSD schedule (2,000 warmup steps, last 20% linear decay to 0.1x).
-Optimizer: AdamW everywhere (matrices lr 1e-3 wd 0.1; embeddings, head and queries lr 3e-4,
-no decay); the paper used Muon for matrices, which is not wired up for FSDP2 here.
-No z-loss: torchtitan 0.3.0 has no z-loss option. Dataset and tokenizer are set by the user
-(``--dataloader.dataset hf_text --dataloader.dataset_path ... --hf_assets_path ...``); the
-flavor's vocabulary is cl100k-sized (100,277).
+Optimiser and loss: the paper's (``train_configs.recipe``): Muon (Polar Express, NorMuon,
+cautious wd 0.1, lr 1e-3, momentum 0.85 -> 0.95 over 300 steps and back over the last 100) for
+every >= 2-D weight but embedding and head; AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the
+embedding, LM head and depth queries; gradient clip 1.0; z-loss 1e-5 (validation reports CE).
+``paper_*_float8``: the same with torchao rowwise float8 for every attention / MLP projection
+(LM head and depth router kept in bf16; ``titan_lrattnres.float8``). Dataset and tokenizer
+are set by the user (``--dataloader.dataset hf_text --dataloader.dataset_path ...
+--hf_assets_path ...``); the flavor's vocabulary is cl100k-sized (100,277).
 
 Names: ``paper_baseline``, ``paper_attnres_{full,block4,block8,block16}``,
 ``paper_sliced_full_r{16..512}``, ``paper_sliced_block{4,8,16}_r64``,
-``paper_projected_full_r{16,32,64}``, ``paper_projected_block{4,8,16}_r32``.
+``paper_projected_full_r{16,32,64}``, ``paper_projected_block{4,8,16}_r32``; each also with
+the suffix ``_float8``.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+from titan_lrattnres.float8 import Float8Rowwise
 from train_configs.common import make_config
+from train_configs.recipe import with_paper_recipe
 
 SEQ_LEN = 2048
 GLOBAL_BATCH_SEQS = 128  # 262,144 tokens
@@ -44,10 +50,10 @@ def _grid() -> dict[str, tuple[str, int | None, int]]:
 GRID = _grid()
 
 
-def paper_config(name: str, local_batch_size: int = 4):
+def paper_config(name: str, local_batch_size: int = 4, float8: bool = False):
     variant, blocks, rank = GRID[name]
     config = make_config(
-        name=name,
+        name=f"{name}_float8" if float8 else name,
         flavor="paper_0p5b",
         variant=variant,
         blocks=blocks,
@@ -74,14 +80,20 @@ def paper_config(name: str, local_batch_size: int = 4):
         seed=None,
     )
     config.checkpoint.keep_latest_k = 3
+    config = with_paper_recipe(config, variant=variant)
+    if float8:
+        converter = Float8Rowwise.Config(model_compile_enabled=config.compile.enable).build()
+        converter.convert(config.model_spec.model)  # in place: Linear configs are nested
     return config
 
 
-def _named(name: str):
-    f = partial(paper_config, name)
-    f.__name__ = f.__qualname__ = name
-    f.__doc__ = f"SPEC §6 recipe, {GRID[name]} (variant, blocks, rank)."
+def _named(name: str, float8: bool = False):
+    f = partial(paper_config, name, float8=float8)
+    f.__name__ = f.__qualname__ = f"{name}_float8" if float8 else name
+    f.__doc__ = f"SPEC §6 recipe, {GRID[name]} (variant, blocks, rank)" + (
+        ", float8 rowwise." if float8 else "."
+    )
     return f
 
 
-CONFIGS = {name: _named(name) for name in GRID}
+CONFIGS = {f.__name__: f for name in GRID for f in (_named(name), _named(name, float8=True))}

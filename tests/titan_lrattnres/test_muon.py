@@ -185,3 +185,29 @@ def test_two_ranks_equal_one_process(two_ranks, mesh, dtype):
 def test_dcp_resume_gives_a_bitwise_identical_next_step(two_ranks):
     for rank in two_ranks:
         assert rank["dcp"] == {"bitwise": True, "variance_shard": True}
+
+
+@pytest.mark.parametrize("name", ["paper_sliced_block8_r64", "paper_projected_block8_r32_float8"])
+def test_paper_configs_train_the_recipe(name):
+    import train_configs
+    from titan_lrattnres.optimizers import MuonOptimizersContainer
+    from titan_lrattnres.zloss import ZLossCrossEntropy, ZLossMetricsProcessor
+
+    c = train_configs.get_config(name)
+    assert isinstance(c.optimizer, MuonOptimizersContainer.Config)
+    muon = [g for g in c.optimizer.param_groups if g.optimizer_name == "Muon"]
+    assert len(muon) == 1 and muon[0].min_ndim == 2
+    kw = muon[0].optimizer_kwargs
+    assert (kw["lr"], kw["weight_decay"], kw["beta2"], kw["ortho_dtype"]) == (
+        1e-3,
+        0.1,
+        0.95,
+        "bfloat16",
+    )
+    sched = c.lr_scheduler
+    assert isinstance(sched, MomentumLRSchedulers.Config)
+    assert (sched.momentum_warmup_steps, sched.momentum_cooldown_steps) == (300, 100)
+    assert (sched.momentum_min, sched.momentum_max) == (0.85, 0.95)
+    assert isinstance(c.loss.loss_fn, ZLossCrossEntropy.Config)
+    assert c.loss.loss_fn.z_loss_weight == 1e-5 and c.training.max_norm == 1.0
+    assert isinstance(c.metrics, ZLossMetricsProcessor.Config)
