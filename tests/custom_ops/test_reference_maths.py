@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from custom_ops import reference as ref
@@ -22,20 +22,61 @@ def reads(draw, max_sources=9):
     return values, keys, query
 
 
+def _fixed_read(s=4, tokens=3, d=6, r=4):
+    g = torch.Generator().manual_seed(0)
+    values = [torch.randn(tokens, d, generator=g, dtype=torch.float64) for _ in range(s)]
+    keys = [torch.randn(tokens, r, generator=g, dtype=torch.float64) * 3 for _ in range(s)]
+    return values, keys, torch.randn(r, generator=g, dtype=torch.float64)
+
+
+_FIXED_READ = _fixed_read()
+
+
 def _close(a, b, tol=1e-5):
     torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol)
 
 
+def _on_grid(logits: torch.Tensor) -> torch.Tensor:
+    """Logits rounded to multiples of 2^-10 in [-31, 31]: then ``ℓ + c`` is exact in fp32 for an
+    integer |c| <= 2^12 (13 + 10 bits), so the shifted read must equal the plain one exactly."""
+    return torch.round(logits.clamp(-31, 31) * 1024) / 1024
+
+
 @settings(max_examples=60, deadline=None)
-@given(reads(), st.floats(-50, 50))
-def test_constant_logit_shift_changes_nothing(read, c):
+@given(reads(), st.integers(-4096, 4096), st.booleans())
+@example(read=_FIXED_READ, c=4096, bank=False)  # e^(ℓ+c) overflows without max-subtraction
+@example(read=_FIXED_READ, c=-4096, bank=True)  # ... and underflows to 0/0
+def test_constant_logit_shift_changes_nothing(read, c, bank):
+    """Adding c to every logit the reference computes (its own ``depth_logits``, patched) leaves
+    h unchanged and moves lse by c: the read's softmax and logsumexp subtract the max. A read
+    that exponentiated the raw logits would give inf/inf or 0/0 at |c| = 4096."""
     values, keys, query = read
-    # Shifting every logit by c: append a constant key dim whose query weight is c/scale.
-    h = ref.depth_read(values, keys, query)
-    logits = ref.depth_logits(keys, query)
-    alpha = torch.softmax(logits + c, dim=0)
-    h_shift = (alpha.unsqueeze(-1) * torch.stack(values).float()).sum(0)
-    _close(h, h_shift)
+    if bank:
+        query = torch.stack([query, -query, 0.5 * query])
+    plain_logits = ref.depth_logits
+
+    def read_shifted(shift: float):
+        def logits(*args, **kwargs):
+            return _on_grid(plain_logits(*args, **kwargs)) + shift
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ref, "depth_logits", logits)
+            return ref.depth_read_with_lse(values, keys, query)
+
+    h, lse = read_shifted(0.0)
+    h_shift, lse_shift = read_shifted(float(c))
+    assert torch.isfinite(h_shift).all() and torch.isfinite(lse_shift).all()
+    _close(h_shift, h, tol=1e-12)
+    # lse + c: a few fp32 roundings at the magnitude of |lse| + |c|
+    atol = 2**-21 * (abs(c) + lse.abs().max().item())
+    torch.testing.assert_close(lse_shift, lse + c, rtol=0, atol=atol)
+    # the two-phase merge: shifting both partial reads' lses by c changes nothing
+    if len(values) >= 2:
+        o1, l1 = ref.depth_read_with_lse(values[:1], keys[:1], query)
+        o2, l2 = ref.depth_read_with_lse(values[1:], keys[1:], query)
+        l1, l2 = _on_grid(l1), _on_grid(l2)  # exact shifts again
+        merged = ref.merge_reads(o1, l1, o2, l2)[0]
+        _close(ref.merge_reads(o1, l1 + c, o2, l2 + c)[0], merged, tol=1e-12)
 
 
 @settings(max_examples=60, deadline=None)
