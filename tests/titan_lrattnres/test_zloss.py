@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -93,3 +94,46 @@ def test_dtensor_logits_are_refused():
     loss_fn = ZLossCrossEntropy.Config().build()
     with pytest.raises(NotImplementedError, match="plain local logits"):
         loss_fn(torch.zeros(1, 1, 2).as_subclass(Fake), torch.zeros(1, 1, dtype=torch.long))
+
+
+@pytest.mark.slow
+def test_cpu_smoke_muon_trains_and_logs_ce_and_z_apart(tmp_path):
+    """The recipe end to end on CPU (Muon + AdamW + z-loss, 12 steps of the debug model)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from titan_lrattnres import data
+
+    root = Path(__file__).resolve().parents[2]
+    cache = tmp_path / "data_cache"
+    files = data.stdlib_files()
+    train = [f for f in files if not data.is_validation(f[0])][:60]
+    val = [f for f in files if data.is_validation(f[0])][:8]
+    data.build_corpus(data.corpus_dir(cache), train + val, vocab_size=1024)
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    env[data.CACHE_ENV] = str(cache)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "titan_lrattnres.train", "cpu_smoke_muon", "--dump_folder"]
+    cmd += [str(out), "--training.steps", "12", "--checkpoint.no-enable"]
+    cmd += ["--validator.freq", "12", "--validator.steps", "2"]
+    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-5000:]
+    log = p.stdout + p.stderr
+    assert "Optimizer Muon (model_part=0): 10 params" in log
+    z_lines = [ln for ln in log.splitlines() if "z_loss:" in ln]
+    assert len(z_lines) == 12
+    ce, z = (float(x) for x in re.search(r"ce:\s+(\S+)\s+z_loss: (\S+)", z_lines[-1]).groups())
+    hist = json.loads((out / "loss_history.json").read_text())
+    assert hist[-1]["loss"] == pytest.approx(ce + z, abs=2e-5)  # logged loss = CE + z
+    assert 1e-4 < z < 1e-2
+    assert hist[-1]["loss"] < hist[0]["loss"] - 0.5
+    val_ce, val_ce_z = (
+        float(x)
+        for x in re.search(r"validate step: 12  ce:\s+(\S+)\s+ce \+ z:\s+(\S+)", log).groups()
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_val_loss"] == pytest.approx(val_ce, abs=1e-4)  # validation reports CE
+    assert 0 < val_ce_z - val_ce < 1e-2
