@@ -31,6 +31,7 @@ import torch
 
 from custom_ops import reference
 from custom_ops.schedule import site_sources
+from titan_lrattnres.integrity import unpickle_error
 
 
 @dataclass
@@ -212,16 +213,24 @@ def token_batches(
 
 
 def load_token_file(path) -> torch.Tensor:
-    path = Path(path)
-    if path.suffix == ".npy":
-        import numpy as np
-
-        return torch.from_numpy(np.load(path).astype("int64")).flatten()
-    if path.suffix in (".pt", ".pth"):
-        return torch.load(path).flatten().long()
+    """Token ids ``[n]`` (int64) from a ``.npy`` (no pickled objects), a ``.pt`` / ``.pth``
+    tensor (``weights_only``: no code runs) or a raw uint16 file; ``ValueError`` (one line)
+    for anything else."""
     import numpy as np
 
-    return torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype("int64"))
+    path = Path(path)
+    try:
+        if path.suffix == ".npy":
+            ids = torch.from_numpy(np.load(path, allow_pickle=False).astype("int64"))
+        elif path.suffix in (".pt", ".pth"):
+            ids = torch.load(path, weights_only=True, map_location="cpu")
+        else:
+            ids = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype("int64"))
+    except Exception as e:
+        raise ValueError(f"--tokens-file {path} refused: {unpickle_error(e)}") from e
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"--tokens-file {path} holds a {type(ids).__name__}, not a tensor")
+    return ids.flatten().long()
 
 
 def pick_tokens(ns, vocab: int) -> tuple[str, torch.Tensor | None]:
@@ -230,7 +239,10 @@ def pick_tokens(ns, vocab: int) -> tuple[str, torch.Tensor | None]:
     from titan_lrattnres.inference import default_validation_source, validation_tokens
 
     if ns.tokens_file:
-        return ns.tokens_file, load_token_file(ns.tokens_file)
+        try:
+            return ns.tokens_file, load_token_file(ns.tokens_file)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     source = None
     if ns.val_jsonl:
         default = default_validation_source()

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 import custom_ops  # noqa: F401  (registers the lrattnres:: ops before any program is loaded)
+from titan_lrattnres import integrity
 from titan_lrattnres.registry import build_model_config
 
 FORMAT = "lrattnres-safetensors"
@@ -169,10 +170,14 @@ def find_model_args(folder: Path) -> dict[str, Any] | None:
 
 
 def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
-    """Load the model weights of a DCP checkpoint (single process, no process group)."""
+    """Load the model weights of a DCP checkpoint (single process, no process group) once
+    ``titan_lrattnres.integrity`` has verified it (checksums, vetted ``.metadata``); raises
+    ``CheckpointIntegrityError`` (one line) for a damaged, incomplete or unsafe folder."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
 
+    integrity.check(folder)
     reader = FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
     own = model.state_dict()
@@ -190,7 +195,13 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
-        dcp.load(state, storage_reader=reader)
+        try:
+            dcp.load(state, storage_reader=reader)
+        except (Exception, CheckpointException) as e:  # e.g. an unrecorded, damaged folder
+            cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+            raise integrity.CheckpointIntegrityError(
+                f"checkpoint {folder} cannot be read ({integrity.unpickle_error(cause)})"
+            ) from e
     model.load_state_dict({k: state[prefix + k] for k in own}, strict=True)
 
 
@@ -299,7 +310,10 @@ def load_from_cli(ns) -> tuple[torch.nn.Module, dict[str, Any], Path]:
     path = ns.checkpoint or ns.run
     if path is None:
         raise SystemExit("give --checkpoint PATH or --run DIR")
-    model, args = load_model(path, model_args=ns.model_args, depth_backend=ns.depth_backend)
+    try:
+        model, args = load_model(path, model_args=ns.model_args, depth_backend=ns.depth_backend)
+    except integrity.CheckpointIntegrityError as e:
+        raise SystemExit(f"error: {e}") from None
     return model, args, Path(path)
 
 
@@ -335,14 +349,17 @@ def validation_tokens(jsonl: str | Path, tokenizer: str | Path, max_tokens: int)
 # -- exported programs -------------------------------------------------------------------------
 def load_exported(path: str | Path):
     """A ``torch.export`` program saved by ``titan_lrattnres.export`` as a callable module
-    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first."""
+    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first. Load only
+    programs you trust: ``torch.export.load`` unpickles parts of a ``.pt2`` without
+    ``weights_only`` (weights alone travel safely as the safetensors export)."""
     ensure_ops_registered()
     return torch.export.load(str(path)).module()
 
 
 def load_aoti(path: str | Path):
     """An AOTInductor package saved by ``titan_lrattnres.export`` as a callable
-    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first."""
+    (``tokens [B, T] -> logits [B, T, V]``); registers the ``lrattnres::`` ops first. The
+    package is compiled machine code: load only packages you trust."""
     ensure_ops_registered()
     import torch._inductor
 

@@ -4,7 +4,8 @@ Equivalent to ``torchrun ... -m torchtitan.train --module titan_lrattnres --conf
 (it also works under torchrun), plus: the CPU patches are installed before torchtitan is
 imported, the embedded corpus and tokenizer are built when missing, and bad inputs (an unknown
 config or dataset, a missing tokenizer, a corpus shorter than one sequence, a checkpoint from
-another model, a NaN loss) stop with one clear line instead of a traceback.
+another model, a damaged or unsafe checkpoint, a NaN loss) stop with one clear line instead of a
+traceback.
 """
 
 from __future__ import annotations
@@ -140,19 +141,18 @@ def _check_text_files(path: str, config) -> None:
 
 
 def finished_step(config) -> int:
-    """The step of the newest checkpoint in the run folder (-1 if none)."""
-    import re
+    """The step of the newest checkpoint at or past ``training.steps`` that passes verification
+    (``titan_lrattnres.integrity``), else -1: a damaged or interrupted final checkpoint is no
+    finished run (training resumes from the newest intact one instead)."""
+    from titan_lrattnres import integrity
 
-    folder = os.path.join(config.dump_folder, config.checkpoint.folder)
-    if not config.checkpoint.enable or not os.path.isdir(folder):
+    if not config.checkpoint.enable:
         return -1
-    steps = [
-        int(m.group(1))
-        for f in os.listdir(folder)
-        if (m := re.fullmatch(r"step-(\d+)", f))
-        and os.path.isfile(os.path.join(folder, f, ".metadata"))
-    ]
-    return max(steps, default=-1)
+    folder = os.path.join(config.dump_folder, config.checkpoint.folder)
+    for step, path in integrity.step_folders(folder):
+        if step >= config.training.steps and integrity.problem(path) is None:
+            return step
+    return -1
 
 
 def run(config) -> None:
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger
 
     from titan_lrattnres.data import CorpusError
+    from titan_lrattnres.integrity import CheckpointIntegrityError
     from titan_lrattnres.trainer import CheckpointMismatchError, NonFiniteLossError
 
     init_logger()
@@ -227,7 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         _single_process_env()
         run(config)
         _report(config)
-    except (UsageError, CorpusError, CheckpointMismatchError, NonFiniteLossError) as e:
+    except (
+        UsageError,
+        CorpusError,
+        CheckpointMismatchError,
+        CheckpointIntegrityError,
+        NonFiniteLossError,
+    ) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
     return 0

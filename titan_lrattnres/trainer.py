@@ -11,12 +11,16 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torchtitan.components.validate import Validator
+from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
+
+from titan_lrattnres import integrity
 
 FINGERPRINT_FILE = "model_fingerprint.json"
 
@@ -106,6 +110,8 @@ class LRAttnResTrainer(Trainer):
         self._last_loss: torch.Tensor | None = None
         self._train_t0: float | None = None
         self._first_step: int = 0
+        self._unrecorded: str | None = None  # a save not yet recorded (async)
+        self._after_record: list = []  # torchtitan's purge, deferred until the record is written
         self._wrap_metrics()
         if config.validator.enable and isinstance(self.validator, EndValidator):
             self.validator.final_step = config.training.steps
@@ -165,11 +171,19 @@ class LRAttnResTrainer(Trainer):
         return loss
 
     def _wrap_checkpointer(self) -> None:
+        """Around torchtitan's checkpointer: the finite-loss guard before a save, and
+        :meth:`_wrap_integrity` (checksums) for a local checkpoint folder."""
         ckpt = self.checkpointer
-        save = ckpt.save
+        if filesystem.is_remote(ckpt.folder):
+            logger.warning(f"{ckpt.folder} is remote: checkpoints are saved without checksums")
+            save = ckpt.save
+        else:
+            save = self._wrap_integrity()
 
         def guarded_save(curr_step: int, last_step: bool = False) -> bool:
-            if ckpt._should_save(curr_step, last_step) and self._last_loss is not None:
+            if not ckpt._should_save(curr_step, last_step):
+                return False
+            if self._last_loss is not None:
                 finite = torch.isfinite(self._last_loss).all().to(torch.int32).reshape(1)
                 if dist.is_initialized():
                     dist.all_reduce(finite, op=dist.ReduceOp.MIN)
@@ -178,6 +192,53 @@ class LRAttnResTrainer(Trainer):
             return save(curr_step, last_step=last_step)
 
         ckpt.save = guarded_save
+
+    def _wrap_integrity(self):
+        """``titan_lrattnres.integrity`` in torchtitan's checkpointer: every save is recorded
+        once it has finished on all ranks (an async one at the next save or the end of
+        training), and only then are older checkpoints purged; a resume takes the newest intact
+        checkpoint, and every folder DCP loads is verified first. Returns the recording save."""
+        ckpt = self.checkpointer
+        save, load, dcp_load = ckpt.save, ckpt.load, ckpt.dcp_load
+        purge = ckpt._purge_stale_checkpoints
+        ckpt._purge_stale_checkpoints = lambda: self._after_record.append(purge)
+        distributed = dist.is_initialized()
+        resumed: Path | None = None  # verified by resume_folder
+
+        def recorded_save(curr_step: int, last_step: bool = False) -> bool:
+            self._record_last_save()
+            folder = ckpt._create_checkpoint_id(curr_step)
+            integrity.begin(folder)
+            saved = save(curr_step, last_step=last_step)
+            self._unrecorded = folder
+            if ckpt.save_future is None:
+                self._record_last_save()
+            return saved
+
+        def verified_load(step: int = -1) -> bool:
+            nonlocal resumed
+            if step == -1:
+                resumed = integrity.resume_folder(ckpt.folder, distributed=distributed)
+            return load(step)
+
+        def verified_dcp_load(state_dict, checkpoint_id, from_hf, from_quantized):
+            # HF safetensors are no pickle and carry no record: only DCP folders are checked
+            if not from_hf and Path(checkpoint_id) != resumed:
+                integrity.check(checkpoint_id, distributed=distributed)
+            dcp_load(state_dict, checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
+
+        ckpt.load, ckpt.dcp_load = verified_load, verified_dcp_load
+        return recorded_save
+
+    def _record_last_save(self) -> None:
+        """Record the last save (waiting for it when async); then purge older checkpoints if
+        torchtitan asked to: never before the newer checkpoint is complete."""
+        if self._unrecorded is not None:
+            self.checkpointer.maybe_wait_for_saving()
+            integrity.record(self._unrecorded)
+            self._unrecorded = None
+        while self._after_record:
+            self._after_record.pop()()
 
     def _last_checkpoint(self) -> str | None:
         ckpt = self.checkpointer
@@ -225,6 +286,7 @@ class LRAttnResTrainer(Trainer):
             if "Loss is not finite" in str(e) and not isinstance(e, NonFiniteLossError):
                 raise NonFiniteLossError(self._nan_message(self.step)) from e
             raise
+        self._record_last_save()
         if _rank() == 0:
             from titan_lrattnres.summary import write_summary
 
