@@ -16,6 +16,7 @@ from torch import nn
 from torchtitan.models.common.attention import AttentionMasksType, GQAttention
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
@@ -73,6 +74,47 @@ class Sublayer(Module):
         return o, key_rmsnorm(k, self.key_eps)
 
 
+# Logit of a padded vocabulary row: finite (0 * mask = 0 in entropy-style sums, where -inf would
+# give NaN), far below any real logit, exactly 0 after softmax / logsumexp in fp32 and bf16.
+PAD_LOGIT = -1e30
+
+
+class VocabHead(Linear):
+    """The LM head: ``out_features`` rows = ``vocab_size`` padded up (``registry.VOCAB_MULTIPLE``);
+    the padded logits are set to ``PAD_LOGIT`` so loss, sampling and argmax ignore them.
+
+    Under tensor parallelism the rows are sharded evenly over the TP ranks; each rank masks the
+    padded rows of its own shard (the last ranks' shards hold the padding)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        vocab_size: int  # real vocabulary; out_features - vocab_size rows are padding
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if not 1 <= config.vocab_size <= config.out_features:
+            raise ValueError(
+                f"vocab_size {config.vocab_size} must be in [1, out_features={config.out_features}]"
+            )
+        self.vocab_size = config.vocab_size
+        self._shard = (0, config.out_features)  # (first row, rows) of this rank's shard
+
+    def parallelize(self, parallel_dims) -> None:
+        tp = parallel_dims.tp
+        if tp > 1:
+            rows = self.out_features // tp
+            self._shard = (parallel_dims.get_mesh("tp").get_local_rank() * rows, rows)
+        super().parallelize(parallel_dims)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(input)
+        start, rows = self._shard
+        real = min(max(self.vocab_size - start, 0), rows)
+        if real < rows:  # in place: the matmul does not keep its output for backward
+            logits[..., real:].fill_(PAD_LOGIT)
+        return logits
+
+
 class LRAttnResModel(Decoder):
     """Decoder whose residual stream is replaced by a softmax read across depth."""
 
@@ -84,16 +126,27 @@ class LRAttnResModel(Decoder):
         def update_from_config(self, *, config, **kwargs) -> None:
             Decoder.Config.update_from_config(self, config=config, **kwargs)
             parallelism = config.parallelism
-            for name in ("tensor_parallel", "context_parallel", "pipeline_parallel"):
+            if parallelism.context_parallel_degree > 1:
+                raise NotImplementedError(
+                    "LR-AttnRes does not support context parallel yet (parallelism."
+                    f"context_parallel_degree={parallelism.context_parallel_degree}; set it to "
+                    "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
+                    "has no CPU backward, so CP cannot be tested here; README 'Parallelism'"
+                )
+            for name in ("pipeline_parallel",):
                 degree = getattr(parallelism, f"{name}_degree")
                 if degree > 1:
                     raise NotImplementedError(
-                        f"LR-AttnRes supports FSDP / HSDP only; parallelism.{name}_degree="
+                        f"LR-AttnRes supports FSDP / HSDP / TP only; parallelism.{name}_degree="
                         f"{degree} is not supported (set it to 1)"
                     )
-            from titan_lrattnres.sharding import set_sharding_config
+            from titan_lrattnres.sharding import set_sharding_config, set_tensor_parallel
 
-            set_sharding_config(self)
+            tp = parallelism.tensor_parallel_degree
+            enable_sp = tp > 1 and parallelism.enable_sequence_parallel
+            set_sharding_config(self, enable_sp=enable_sp)
+            if tp > 1:
+                set_tensor_parallel(self, config, tp)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             attn = self.first_attention
@@ -120,6 +173,7 @@ class LRAttnResModel(Decoder):
 
     def __init__(self, config: Config):
         super().__init__(config)
+        self.vocab_size = config.vocab_size  # real vocabulary (the head may have padded rows)
         self.router = config.router.build()
 
     def run_depth(self, embedding: torch.Tensor, sublayer_fn, on_read=None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 
 from titan_lrattnres.depth import BACKENDS, DepthRouter
 from titan_lrattnres.flops import VARIANTS
-from titan_lrattnres.model import LRAttnResModel, Sublayer
+from titan_lrattnres.model import LRAttnResModel, Sublayer, VocabHead
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,10 @@ FLAVORS: dict[str, Flavor] = {
 
 _INIT = {"weight": partial(nn.init.normal_, std=0.02)}
 _ZERO = {"query_bank": nn.init.zeros_}
+# Embedding and head rows are padded to a multiple of this (the padded logits are masked), so
+# every tensor-parallel degree dividing it (1, 2, 4, ..., 64) shards the vocabulary evenly and a
+# checkpoint has the same shapes under every layout. cl100k: 100,277 -> 100,288 rows.
+VOCAB_MULTIPLE = 64
 
 
 def _check_choice(field: str, value, allowed) -> None:
@@ -74,6 +78,7 @@ def build_model_config(
     depth_backend: str = "auto",
     attn_backend: str = "auto",
     vocab_size: int | None = None,
+    vocab_multiple: int = VOCAB_MULTIPLE,
 ) -> LRAttnResModel.Config:
     """The model config; every bad field fails here with the field and its allowed range."""
     if isinstance(flavor, str):
@@ -92,6 +97,9 @@ def build_model_config(
     vocab = vocab_size or flavor.vocab_size
     if vocab < 1:
         raise ValueError(f"vocab_size must be >= 1, got {vocab}")
+    if not (isinstance(vocab_multiple, int) and vocab_multiple >= 1):
+        raise ValueError(f"vocab_multiple must be an int >= 1, got {vocab_multiple!r}")
+    rows = -(-vocab // vocab_multiple) * vocab_multiple  # embedding / head rows
     if attn_backend == "auto":
         attn_backend = "flex" if torch.cuda.is_available() else "sdpa"
     # SDPA (causal only) is the CPU path: FlexAttention has no CPU backward.
@@ -102,7 +110,10 @@ def build_model_config(
     )
     head_dim = d // flavor.n_heads
     key_rank = rank if variant == "projected" else 0
-    norm = RMSNorm.Config(normalized_shape=d, elementwise_affine=False)
+
+    def norm() -> RMSNorm.Config:  # one object per module: TP/SP give them different layouts
+        return RMSNorm.Config(normalized_shape=d, elementwise_affine=False)
+
     rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=flavor.max_seq_len, theta=500000.0)
     layers = []
     for _ in range(n_layers):
@@ -125,10 +136,10 @@ def build_model_config(
                 in_features=flavor.hidden_dim, out_features=d + key_rank, param_init=_INIT
             )
         layers.append(
-            Sublayer.Config(dim=d, norm=norm, attention=attention, key_rank=key_rank, key_eps=eps)
+            Sublayer.Config(dim=d, norm=norm(), attention=attention, key_rank=key_rank, key_eps=eps)
         )
         layers.append(
-            Sublayer.Config(dim=d, norm=norm, feed_forward=ffn, key_rank=key_rank, key_eps=eps)
+            Sublayer.Config(dim=d, norm=norm(), feed_forward=ffn, key_rank=key_rank, key_eps=eps)
         )
     router = DepthRouter.Config(
         variant=variant,
@@ -149,9 +160,11 @@ def build_model_config(
         dim=d,
         vocab_size=vocab,
         hidden_dim=flavor.hidden_dim,
-        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=d, param_init=_INIT),
-        norm=norm,
-        lm_head=Linear.Config(in_features=d, out_features=vocab, param_init=_INIT),
+        tok_embeddings=Embedding.Config(num_embeddings=rows, embedding_dim=d, param_init=_INIT),
+        norm=norm(),
+        lm_head=VocabHead.Config(
+            in_features=d, out_features=rows, vocab_size=vocab, param_init=_INIT
+        ),
         layers=layers,
         router=router,
     )
@@ -159,7 +172,8 @@ def build_model_config(
 
 def model_registry(flavor: str, *, converters=None, **kwargs) -> ModelSpec:
     """ModelSpec for ``flavor`` with ``variant`` in baseline / attnres / sliced / projected,
-    ``blocks`` (None = Full), ``rank``, ``eps``, ``depth_backend``, ``attn_backend``."""
+    ``blocks`` (None = Full), ``rank``, ``eps``, ``depth_backend``, ``attn_backend``,
+    ``vocab_size``, ``vocab_multiple``."""
     config = build_model_config(flavor, **kwargs)
     if converters is not None:
         for c in converters:
