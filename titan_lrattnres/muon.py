@@ -233,7 +233,8 @@ class Muon(torch.optim.Optimizer):
                     continue
                 lay = _layout(p)
                 state = self.state[p] or self._init_state(p, lay)
-                g = _local(p.grad).reshape(-1 if p.grad.numel() else 0, lay.cols)
+                g = _local(p.grad)
+                g = g.reshape(g.shape[0], lay.cols)
                 m = _matrix(_local(state["momentum_buffer"]), lay.cols)
                 m.lerp_(g, 1 - mu)
                 u = g.lerp(m, mu) if group["nesterov"] else m.clone()
@@ -268,18 +269,16 @@ class Muon(torch.optim.Optimizer):
         group, world, me = lay0.group, lay0.world, lay0.rank
         owners = assign_owners([(lay.rows, lay.cols) for _, _, lay, _, _ in bucket], world)
         mine = [i for i, o in enumerate(owners) if o == me]
+        empty = bucket[0][3].new_empty(0)  # a rank that owns nothing sends nothing back
 
         def a2a(send_parts: list[list[torch.Tensor]], recv_sizes: list[int]) -> list[torch.Tensor]:
-            send = torch.cat(
-                [t.reshape(-1) for parts in send_parts for t in parts] or [u.new_empty(0)]
-            )
+            send = torch.cat([t.reshape(-1) for parts in send_parts for t in parts] or [empty])
             recv = send.new_empty(sum(recv_sizes))
             send_sizes = [sum(t.numel() for t in parts) for parts in send_parts]
             dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group)
             self.collectives += 1
             return list(recv.split(recv_sizes))
 
-        u = bucket[0][3]
         # 1. my rows of U and my slice of V, to each matrix's owner
         send = [[] for _ in range(world)]
         for i, (_, _, _, u_i, var) in enumerate(bucket):
