@@ -30,11 +30,13 @@ STEPS = 3
 
 
 class Weights(nn.Module):
-    def __init__(self):
+    def __init__(self, names=tuple(SHAPES)):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         for name, shape in SHAPES.items():
-            self.register_parameter(name, nn.Parameter(torch.randn(shape, generator=g)))
+            w = torch.randn(shape, generator=g)
+            if name in names:
+                self.register_parameter(name, nn.Parameter(w))
 
 
 def grads(step: int) -> dict[str, torch.Tensor]:
@@ -44,7 +46,9 @@ def grads(step: int) -> dict[str, torch.Tensor]:
 
 def set_grads(model: nn.Module, step: int) -> None:
     for name, full in grads(step).items():
-        p = getattr(model, name)
+        p = getattr(model, name, None)
+        if p is None:
+            continue
         p.grad = (
             torch.distributed.tensor.distribute_tensor(full, p.device_mesh, p.placements)
             if isinstance(p, DTensor)
@@ -52,15 +56,15 @@ def set_grads(model: nn.Module, step: int) -> None:
         )
 
 
-def sharded(mesh_shape: tuple[int, ...]) -> Weights:
+def sharded(mesh_shape: tuple[int, ...], params=tuple(SHAPES)) -> Weights:
     names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    model = Weights()
+    model = Weights(params)
     fully_shard(model, mesh=init_device_mesh("cpu", mesh_shape, mesh_dim_names=names))
     return model
 
 
-def parity(mesh_shape: tuple[int, ...], ortho_dtype: str) -> dict:
-    ref, model = Weights(), sharded(mesh_shape)
+def parity(mesh_shape: tuple[int, ...], ortho_dtype: str, params=tuple(SHAPES)) -> dict:
+    ref, model = Weights(params), sharded(mesh_shape, params)
     kw = dict(lr=0.02, weight_decay=0.1, ortho_dtype=ortho_dtype)
     ref_opt, opt = Muon(ref.parameters(), **kw), Muon(model.parameters(), **kw)
     diff = 0.0
@@ -69,10 +73,10 @@ def parity(mesh_shape: tuple[int, ...], ortho_dtype: str) -> dict:
         set_grads(model, step)
         ref_opt.step()
         opt.step()
-        for name in SHAPES:
+        for name in params:
             full = getattr(model, name).full_tensor()
             diff = max(diff, (full - getattr(ref, name)).abs().max().item())
-    state = opt.state[model.wide]
+    state = opt.state[getattr(model, "wide", model.tall)]
     return {
         "max_abs_diff": diff,
         "collectives_per_step": opt.collectives / STEPS,
@@ -122,6 +126,8 @@ def main(out: str) -> None:
         for mesh in ((2,), (1, 2), (2, 1))
         for dtype in ("float32", "bfloat16")
     }
+    # one matrix: rank 1 owns nothing and sends nothing back
+    result["single_float32"] = parity((2,), "float32", params=("tall",))
     result["dcp"] = dcp_resume(os.path.join(out, "ckpt"))
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f, indent=1)

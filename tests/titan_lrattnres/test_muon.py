@@ -182,6 +182,14 @@ def test_two_ranks_equal_one_process(two_ranks, mesh, dtype):
 
 
 @pytest.mark.slow
+def test_two_ranks_one_matrix_one_owner(two_ranks):
+    for rank in two_ranks:
+        r = rank["single_float32"]
+        assert r["max_abs_diff"] == 0.0 and r["collectives_per_step"] == 2.0
+        assert r["variance_placements"] == ["S(0)"]  # tall: one statistic per row
+
+
+@pytest.mark.slow
 def test_dcp_resume_gives_a_bitwise_identical_next_step(two_ranks):
     for rank in two_ranks:
         assert rank["dcp"] == {"bitwise": True, "variance_shard": True}
