@@ -135,7 +135,8 @@ def _layout(p: torch.Tensor) -> _Layout:
     others = [pl for pl in p.placements if not isinstance(pl, Shard) and not pl.is_replicate()]
     if others or len(shard) > 1 or (shard and p.placements[shard[0]].dim != 0):
         raise NotImplementedError(
-            f"Muon supports FSDP2 / HSDP row sharding (one Shard(0) mesh dim), got {p.placements}"
+            "Muon supports FSDP2 / HSDP row sharding (one Shard(0) mesh dim), not tensor "
+            f"parallel; got placements {p.placements}"
         )
     if not shard:
         return _Layout(rows, cols)
@@ -200,6 +201,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.ndim < 2:
                     raise ValueError(f"Muon takes >= 2-D weights, got shape {tuple(p.shape)}")
+                _layout(p)  # refuses a layout it cannot handle now, not at the first step
         self.collectives = 0
 
     def _init_state(self, p: torch.Tensor, lay: _Layout) -> dict:

@@ -219,3 +219,15 @@ def test_paper_configs_train_the_recipe(name):
     assert isinstance(c.loss.loss_fn, ZLossCrossEntropy.Config)
     assert c.loss.loss_fn.z_loss_weight == 1e-5 and c.training.max_norm == 1.0
     assert isinstance(c.metrics, ZLossMetricsProcessor.Config)
+
+
+def test_muon_refuses_tensor_parallel_layouts():
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    p = mock.MagicMock(spec=DTensor)
+    p.shape, p.ndim = torch.Size([8, 4]), 2
+    p.placements = (Replicate(), Shard(1))  # row-parallel TP weight
+    with pytest.raises(NotImplementedError, match="not tensor parallel"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 2)), p])
