@@ -86,7 +86,11 @@ _ACTIVE: ZLossCrossEntropy | None = None
 
 class ZLossMetricsProcessor(MetricsProcessor):
     """torchtitan's metrics processor plus the z-loss / CE split of the loss (all ranks call
-    ``log`` together, so the cross-rank sums are safe)."""
+    ``log`` together, so the cross-rank sums are safe). ``last_z_loss`` / ``last_val_z_loss``
+    hold the latest values for a trainer that records them."""
+
+    last_z_loss: float | None = None
+    last_val_z_loss: float | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(MetricsProcessor.Config):
@@ -104,6 +108,7 @@ class ZLossMetricsProcessor(MetricsProcessor):
         extra = dict(extra_metrics or {})
         if loss is not None and loss.train_z is not None:
             z = self._global_sum(loss.train_z)
+            self.last_z_loss = z
             extra["loss_metrics/z_loss"] = z
             extra["loss_metrics/ce_loss"] = global_avg_loss - z
             logger.info(f"step: {step:2}  ce: {global_avg_loss - z:8.5f}  z_loss: {z:.3e}")
@@ -115,6 +120,7 @@ class ZLossMetricsProcessor(MetricsProcessor):
         if zl is not None and zl.val_z is not None:
             z = self._global_sum(zl.val_z) / self._global_sum(zl.val_tokens)
             zl.val_z = zl.val_tokens = None
+            self.last_val_z_loss = z
             extra["validation_metrics/z_loss"] = z
             extra["validation_metrics/ce_plus_z_loss"] = loss + z
             logger.info(f"validate step: {step:2}  ce: {loss:7.4f}  ce + z: {loss + z:7.4f}")
