@@ -139,6 +139,9 @@ class LRAttnResTrainer(Trainer):
                     "time_s": now - self._t0,
                 }
             )
+            z = getattr(self.metrics_processor, "last_z_loss", None)
+            if z is not None:  # z-loss on (titan_lrattnres.zloss): the CE part beside it
+                self.history[-1].update(z_loss=z, ce_loss=float(global_avg_loss) - z)
             total = self.config.training.steps
             done = step - self._first_step
             rate = done / (now - self._train_t0) if done > 0 else 0.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_lrattnres import cpu, data
+from titan_lrattnres import cpu, data, integrity
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -63,7 +63,7 @@ def _history(folder: Path) -> dict[int, float]:
 
 def _ckpts(folder: Path) -> list[int]:
     d = folder / "checkpoint"
-    return sorted(int(p.name[5:]) for p in d.glob("step-*") if (p / ".metadata").exists())
+    return sorted(int(p.name[5:]) for p in d.glob("step-*") if integrity.interrupted(p) is None)
 
 
 @pytest.fixture(scope="module")
