@@ -1,0 +1,141 @@
+"""Launcher for the tensor-parallel tests: ``python tp_worker.py MODEL [trainer CLI ...]`` (also
+under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke`` with the model ``MODEL``
+(``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``, ``attnres_full``,
+``sliced_v1000``) and two test hooks:
+
+- the gradient-clipping norm is computed in float64: torch's fp32 ``vector_norm`` on CPU
+  accumulates sequentially (measured: 8e-5 relative error on the head's gradient of a
+  ``cpu_smoke`` step), more than the parity tolerance, and its error depends on the shard sizes;
+- with ``TP_DUMP=FILE``, after training rank 0 writes the full parameters and the logits of
+  a fixed batch (``tokens``) as computed by the (parallel) model;
+- with ``TP_GRADS=FILE``, rank 0 writes every parameter's full gradient of step 1 (before
+  clipping).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from titan_lrattnres import cpu
+
+cpu.apply()
+
+import spmd_types as spmd  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torchtitan.trainer as tt  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+DUMP_TOKENS = torch.arange(2 * 32).reshape(2, 32) * 37 % 1000  # a fixed batch (ids < 1000)
+MODEL_ARGS: dict = {}  # build_model_config arguments of the registered model (flavor "debug")
+
+
+def _fp64_total_norm(original):
+    def total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        norm = original([t.double() for t in tensors], norm_type, error_if_nonfinite, foreach)
+        return norm.float()
+
+    return total_norm
+
+
+torch.nn.utils.get_total_norm = _fp64_total_norm(torch.nn.utils.get_total_norm)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+@torch.no_grad()
+def dump(trainer, path: str) -> None:
+    model = trainer.model_parts[0]
+    params = {n: _full(p) for n, p in model.named_parameters()}
+    skip = model._skip_lm_head
+    model._skip_lm_head = True
+    # the SPMD mesh (without it no TP collective runs), no type checking: torchtitan's RoPE
+    # refuses the untyped positions of a call outside the training step
+    with trainer.train_context(), spmd.no_typecheck():
+        logits = _full(model.lm_head(model(DUMP_TOKENS)))
+    model._skip_lm_head = skip
+    tp = trainer.parallel_dims.tp
+    if tp > 1:  # each TP rank holds a vocabulary shard of the logits
+        group = trainer.parallel_dims.get_mesh("tp").get_group()
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        args = {"flavor": "debug", **MODEL_ARGS}
+        torch.save(
+            {"params": params, "logits": logits, "tokens": DUMP_TOKENS, "model_args": args}, path
+        )
+
+
+def register(model: str) -> str:
+    """Register config ``tp_<model>``: cpu_smoke with another model; returns its name."""
+    import titan_lrattnres.config_registry as registry
+    from titan_lrattnres import model_registry
+    from train_configs import CONFIGS
+    from train_configs.cpu import cpu_smoke
+
+    parts = model.split("_")
+    kwargs = dict(variant=parts[0], blocks=2, rank=16)
+    for p in parts[1:]:
+        if p == "full":
+            kwargs["blocks"] = None
+        elif p.startswith("v"):
+            kwargs["vocab_size"] = int(p[1:])
+        else:
+            raise ValueError(f"unknown model part {p!r}")
+
+    def config():
+        c = cpu_smoke()
+        backend = c.model_spec.model.router.backend
+        c.model_spec = model_registry("debug", depth_backend=backend, **kwargs)
+        return c
+
+    MODEL_ARGS.update(kwargs)
+    name = f"tp_{model}"
+    CONFIGS[name] = config
+    setattr(registry, name, config)
+    return name
+
+
+def main(argv: list[str]) -> int:
+    from titan_lrattnres.train import main as train_main
+
+    grads = os.environ.get("TP_GRADS")
+    if grads:  # the gradients of step 1, before clipping
+        clip = tt.dist_utils.clip_grad_norm_
+
+        def clip_and_dump(params, *args, **kwargs):
+            if not os.path.exists(grads):
+                model = tt.Trainer._dump_model
+                full = {n: _full(p.grad) for n, p in model.named_parameters()}
+                if int(os.environ.get("RANK", "0")) == 0:
+                    torch.save(full, grads)
+                dist.barrier()
+            return clip(params, *args, **kwargs)
+
+        tt.dist_utils.clip_grad_norm_ = clip_and_dump
+        init = tt.Trainer.__init__
+
+        def init_and_keep(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            tt.Trainer._dump_model = self.model_parts[0]
+
+        tt.Trainer.__init__ = init_and_keep
+    path = os.environ.get("TP_DUMP")
+    if path:
+        original = tt.Trainer.train
+
+        def train(self):
+            original(self)
+            dump(self, path)
+
+        tt.Trainer.train = train
+    return train_main([register(argv[0]), *argv[1:]])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
