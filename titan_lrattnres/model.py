@@ -4,7 +4,9 @@
 ...), so torchtitan's per-unit activation checkpointing, ``compile(fullgraph=True)`` and FSDP2
 apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced by the depth
 loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
-through the final RMSNorm and the LM head (SPEC §1).
+through the final RMSNorm and the LM head (SPEC §1). Parallelism: FSDP2 / HSDP, tensor parallel
+with or without sequence parallel, and both together (layouts: ``titan_lrattnres.sharding``);
+context and pipeline parallel are refused in ``LRAttnResModel.Config.update_from_config``.
 """
 
 from __future__ import annotations

@@ -92,8 +92,12 @@ def set_tensor_parallel(config, trainer_config, tp: int) -> None:
     for ce in _loss_configs(loss):
         ce.global_vocab_size = rows
     if loss is not None and not any(True for _ in _loss_configs(loss)):
+        inner = loss
+        while getattr(inner, "loss_fn", None) is not None:  # e.g. ChunkedLossWrapper
+            inner = inner.loss_fn
         raise NotImplementedError(
-            f"tensor parallel needs a vocabulary-parallel loss; {type(loss).__qualname__} is "
-            "not one (use CrossEntropyLoss / ChunkedLossWrapper, or set "
-            "parallelism.tensor_parallel_degree=1)"
+            f"tensor parallel needs a vocabulary-parallel loss (each rank holds a vocabulary "
+            f"shard of the logits); {type(inner).__qualname__.removesuffix('.Config')} is not "
+            "one: use CrossEntropyLoss (torchtitan's loss-parallel cross-entropy), or set "
+            "parallelism.tensor_parallel_degree=1"
         )
