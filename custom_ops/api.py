@@ -40,6 +40,8 @@ def _direct(*tensors) -> bool:
         return False
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
         return False
+    if torch._C._len_torch_function_stack():  # e.g. torchtitan's SPMD type checker
+        return False
     return all(type(t) is torch.Tensor for t in tensors)
 
 

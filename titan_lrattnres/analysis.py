@@ -295,7 +295,7 @@ def main(argv=None) -> int:
         (out / "routing.md").write_text(f"# Routing analysis\n\n{msg}.\n")
         print(msg)
         return 0
-    vocab = model.tok_embeddings.num_embeddings
+    vocab = model.vocab_size  # real ids only (the embedding rows are padded)
     data, flat = pick_tokens(ns, vocab)
     batches = token_batches(ns.tokens, ns.batch, ns.seq_len, vocab, tokens=flat, seed=ns.seed)
     stats, summary = analyse(model, batches)

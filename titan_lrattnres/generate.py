@@ -187,7 +187,7 @@ def main(argv=None) -> int:
     ns = p.parse_args(argv)
     model, _, path = load_from_cli(ns)
     tok = None
-    vocab = model.tok_embeddings.num_embeddings
+    vocab = model.vocab_size  # real ids only (the embedding rows are padded)
     tok_path = None
     if not ns.token_ids:
         tok_path = ns.tokenizer or find_tokenizer(path) or default_tokenizer(vocab)

@@ -41,6 +41,8 @@ def build_summary(trainer) -> dict:
         "variant": router.variant,
         "blocks": router.blocks,
         "rank": router.rank,
+        "vocab_size": spec.model.vocab_size,  # the real vocabulary (the head's rows are padded)
+        "eps": router.eps,
         "depth_backend": router.backend,
         "steps": trainer.step,
         "tokens": tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_ops
@@ -63,5 +64,7 @@ def test_the_op_runs_when_needed():
             assert not api._direct(*values, bank)
             custom_ops.block_read(values, keys, bank)
     assert "lrattnres.block_read_sliced.default" in mode.ops
+    with torch.no_grad(), TorchFunctionMode():  # a function mode (SPMD type checking) too
+        assert not api._direct(*values, bank)
     out, _ = custom_ops.block_read(values, keys, bank)
     assert out.grad_fn is not None  # with grad: the registered op's autograd
