@@ -46,14 +46,17 @@ class SiteStats:
     input_dependence: float
 
 
-def source_labels(t: int, num_sublayers: int, num_blocks: int) -> list[str]:
-    """Names of S_t: ``e``; ``o{j}`` (Full); ``B{n}`` completed blocks; ``P{n}`` the partial."""
-    if num_blocks == num_sublayers:  # Full: every block is one sublayer output
+def source_labels(
+    t: int, num_sublayers: int, num_blocks: int | None, *, block_layers: int | None = None
+) -> list[str]:
+    """Names of S_t: ``e``; ``o{j}`` (Full); ``B{n}`` completed blocks; ``P{n}`` the partial.
+    The schedule is ``num_blocks`` or ``block_layers`` as in ``custom_ops.schedule``."""
+    if block_layers is None and num_blocks in (None, num_sublayers):  # Full: one output a block
         return ["e"] + [f"o{j}" for j in range(1, t + 1)]
     short = {"embedding": "e", "block": "B", "partial": "P"}
     return [
         "e" if kind == "embedding" else f"{short[kind]}{n}"
-        for kind, n in site_sources(t, num_sublayers, num_blocks)
+        for kind, n in site_sources(t, num_sublayers, num_blocks, block_layers=block_layers)
     ]
 
 
@@ -112,14 +115,16 @@ def summarise(stats: list[SiteStats]) -> dict[str, float]:
 def analyse(model, batches) -> tuple[list[SiteStats], dict[str, float]]:
     """Routing statistics of ``model`` over an iterable of token batches ``[B, T]``."""
     router = model.router
-    m, n = router.num_sublayers, len(router.ends)
+    m, bl = router.num_sublayers, router.block_layers
+    n = None if bl is not None else len(router.ends)
+    labels = [source_labels(t, m, n, block_layers=bl) for t in range(1, m + 1)]
     per_site: list[list[torch.Tensor]] = [[] for _ in range(m)]
     for tokens in batches:
         _, alphas = capture_routing(model, tokens)
         for t, a in enumerate(alphas):
             per_site[t].append(a.reshape(a.shape[0], -1))
     stats = [
-        site_stats(t, torch.cat(chunks, dim=1), source_labels(t, m, n))
+        site_stats(t, torch.cat(chunks, dim=1), labels[t - 1])
         for t, chunks in enumerate(per_site, start=1)
     ]
     return stats, summarise(stats)

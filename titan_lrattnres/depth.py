@@ -28,7 +28,7 @@ from torchtitan.protocols.module import Module
 
 import custom_ops
 from custom_ops import reference
-from custom_ops.schedule import block_ends
+from custom_ops.schedule import schedule_ends
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
 
@@ -56,7 +56,8 @@ class DepthRouter(Module):
         dim: int
         rank: int  # key rank r (= dim for attnres; unused for baseline)
         num_sublayers: int  # M = 2L
-        blocks: int | None = None  # None = Full
+        blocks: int | None = None  # None (and block_layers None) = Full
+        block_layers: int | None = None  # Block by size: an end every 2k sublayers
         eps: float | None = None  # key RMSNorm eps; None = finfo(fp32).eps
         backend: str = "auto"
         embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
@@ -69,7 +70,8 @@ class DepthRouter(Module):
         self.backend = config.backend
         m = config.num_sublayers
         self.num_sublayers = m
-        self.ends = block_ends(m, m if config.blocks is None else config.blocks)
+        self.block_layers = config.block_layers
+        self.ends = schedule_ends(m, config.blocks, config.block_layers)
         self._end_set = frozenset(self.ends)
         if self.variant != "baseline":
             # Row t-1 is the query of read site t (sites 1..M; site 0 is the identity).

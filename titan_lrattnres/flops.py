@@ -18,7 +18,14 @@ def core_flops(num_layers: int, dim: int, hidden: int) -> int:
 
 
 def routing_flops(
-    variant: str, num_layers: int, dim: int, hidden: int, rank: int | None, blocks: int | None
+    variant: str,
+    num_layers: int,
+    dim: int,
+    hidden: int,
+    rank: int | None,
+    blocks: int | None,
+    *,
+    block_layers: int | None = None,
 ) -> int:
     """Forward FLOPs per token the depth routing adds over the baseline (read + projection)."""
     if variant not in VARIANTS:
@@ -28,7 +35,7 @@ def routing_flops(
     r = dim if variant == "attnres" else rank
     if r is None:
         raise ValueError(f"variant {variant!r} needs a rank")
-    read = 2 * (dim + r) * sum(source_counts(num_layers, blocks))
+    read = 2 * (dim + r) * sum(source_counts(num_layers, blocks, block_layers=block_layers))
     proj = 2 * r * (num_layers * (dim + hidden) + dim) if variant == "projected" else 0
     return read + proj
 
@@ -41,8 +48,9 @@ def added_flops_percent(
     hidden: int,
     rank: int | None = None,
     blocks: int | None = None,
+    block_layers: int | None = None,
 ) -> float:
     """Added FLOPs % over the core (SPEC §5). ``blocks=None`` is Full; ``rank`` is ignored for
     ``attnres`` (r = d) and ``baseline``."""
-    extra = routing_flops(variant, num_layers, dim, hidden, rank, blocks)
+    extra = routing_flops(variant, num_layers, dim, hidden, rank, blocks, block_layers=block_layers)
     return 100.0 * extra / core_flops(num_layers, dim, hidden)

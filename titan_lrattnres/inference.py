@@ -42,6 +42,7 @@ MODEL_ARG_NAMES = (
     "flavor",
     "variant",
     "blocks",
+    "block_layers",
     "rank",
     "eps",
     "vocab_size",
@@ -149,7 +150,9 @@ def find_upwards(start: Path, name: str, levels: int = 3) -> Path | None:
 def model_args_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
     """Model arguments recorded in a run's ``summary.json`` (written by the trainer)."""
     args = {k: summary[k] for k in ("flavor", "variant", "blocks", "rank") if k in summary}
-    for k in ("eps", "vocab_size"):
+    if summary.get("block_layers") is not None:  # Block by size: no count
+        args.pop("blocks", None)
+    for k in ("eps", "vocab_size", "block_layers"):
         if summary.get(k) is not None:
             args[k] = summary[k]
     return args

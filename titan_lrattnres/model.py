@@ -163,8 +163,9 @@ class LRAttnResModel(Decoder):
             # 6·params already covers the W^K rows and W_0^K; add the read itself (fwd + bwd).
             r = self.router
             read = routing_flops(
-                r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank, r.blocks
-            )
+                r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank, r.blocks,
+                block_layers=r.block_layers,
+            )  # fmt: skip
             if r.variant == "projected":
                 read -= 2 * r.rank * (self.num_layers * (self.dim + self.hidden_dim) + self.dim)
             return nparams, flops + 3 * read

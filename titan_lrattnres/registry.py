@@ -61,6 +61,15 @@ _ZERO = {"query_bank": nn.init.zeros_}
 # every tensor-parallel degree dividing it (1, 2, 4, ..., 64) shards the vocabulary evenly and a
 # checkpoint has the same shapes under every layout. cl100k: 100,277 -> 100,288 rows.
 VOCAB_MULTIPLE = 64
+DEFAULT_BLOCKS = 8
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return f"the default ({DEFAULT_BLOCKS})"
+
+
+UNSET = _Unset()  # ``blocks`` not given: DEFAULT_BLOCKS, unless ``block_layers`` is
 
 
 def _check_choice(field: str, value, allowed) -> None:
@@ -72,7 +81,8 @@ def build_model_config(
     flavor: str | Flavor,
     *,
     variant: str = "sliced",
-    blocks: int | None = 8,
+    blocks: int | None | _Unset = UNSET,
+    block_layers: int | None = None,
     rank: int = 64,
     eps: float | None = None,
     depth_backend: str = "auto",
@@ -80,17 +90,34 @@ def build_model_config(
     vocab_size: int | None = None,
     vocab_multiple: int = VOCAB_MULTIPLE,
 ) -> LRAttnResModel.Config:
-    """The model config; every bad field fails here with the field and its allowed range."""
+    """The model config; every bad field fails here with the field and its allowed range.
+
+    Block AttnRes by count (``blocks=N``, default 8; None = Full) or by size in layers
+    (``block_layers=k``: a block end every 2k sublayers, the last block partial), not both.
+    """
     if isinstance(flavor, str):
         _check_choice("flavor", flavor, FLAVORS)
         flavor = FLAVORS[flavor]
     _check_choice("variant", variant, VARIANTS)
     _check_choice("depth_backend", depth_backend, BACKENDS)
     d, n_layers, m = flavor.dim, flavor.n_layers, 2 * flavor.n_layers
+    if block_layers is not None and blocks is not UNSET:
+        raise ValueError(
+            f"give blocks (a count, got {blocks!r}) or block_layers (a size in layers, got "
+            f"{block_layers!r}), not both"
+        )
+    blocks = DEFAULT_BLOCKS if blocks is UNSET and block_layers is None else blocks
+    blocks = None if blocks is UNSET else blocks
     if variant == "baseline":  # no routing: blocks and rank do not apply
-        blocks = None
+        blocks = block_layers = None
     elif blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
         raise ValueError(f"blocks must be None (Full) or an int in [1, {m}] (= 2L), got {blocks!r}")
+    elif block_layers is not None and not (
+        isinstance(block_layers, int) and 1 <= block_layers <= n_layers
+    ):
+        raise ValueError(
+            f"block_layers must be an int in [1, {n_layers}] (= L), got {block_layers!r}"
+        )
     r = d if variant == "attnres" else rank
     if variant in ("sliced", "projected") and not (isinstance(rank, int) and 1 <= rank <= d):
         raise ValueError(f"rank must be an int in [1, {d}] (= d), got {rank!r}")
@@ -147,6 +174,7 @@ def build_model_config(
         rank=r,
         num_sublayers=m,
         blocks=blocks,
+        block_layers=block_layers,
         eps=eps,
         backend=depth_backend,
         param_init=_ZERO,

@@ -40,6 +40,7 @@ def build_summary(trainer) -> dict:
         "flavor": spec.flavor,
         "variant": router.variant,
         "blocks": router.blocks,
+        "block_layers": router.block_layers,
         "rank": router.rank,
         "vocab_size": spec.model.vocab_size,  # the real vocabulary (the head's rows are padded)
         "eps": router.eps,

@@ -118,6 +118,7 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
 
     f = FLAVORS[summary["flavor"]]
     variant, blocks = summary["variant"], summary.get("blocks")
+    block_layers = summary.get("block_layers")
     added = added_flops_percent(
         variant,
         num_layers=f.n_layers,
@@ -125,12 +126,14 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
         hidden=f.hidden_dim,
         rank=summary.get("rank"),
         blocks=blocks,
+        block_layers=block_layers,
     )
     ev = evaluation or {}
     return {
         "config": name,
         "variant": variant,
         "blocks": blocks,
+        "block_layers": block_layers,
         "rank": None
         if variant == "baseline"
         else (f.dim if variant == "attnres" else summary.get("rank")),
@@ -165,7 +168,10 @@ def label(row: dict) -> str:
     name = v.get(row["variant"], row["variant"])
     if row["variant"] == "baseline":
         return name
-    shape = "Full" if row["blocks"] is None else f"Block N={row['blocks']}"
+    if row.get("block_layers") is not None:
+        shape = f"Block {row['block_layers']}-layer"
+    else:
+        shape = "Full" if row["blocks"] is None else f"Block N={row['blocks']}"
     rank = f" r={row['rank']}" if row["variant"] in ("sliced", "projected") else ""
     return f"{name} {shape}{rank}"
 

@@ -45,6 +45,7 @@ def model_fingerprint(model_config) -> dict:
         "variant": router.variant,
         "rank": router.rank if router.variant != "baseline" else None,
         "blocks": router.blocks if router.variant != "baseline" else None,
+        "block_layers": router.block_layers,
         "eps": router.eps,
     }
 
