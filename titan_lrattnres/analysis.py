@@ -16,7 +16,12 @@ Per site, over all analysed tokens (α ``[S_t, tokens]``):
 - input dependence: mean over sources of the std over tokens of α_s (0 = static routing).
 Averages over sites skip sites with |S_t| = 1 (entropy undefined; none exist for t >= 1).
 
-    python -m titan_lrattnres.analysis --run DIR [--tokens N] --out DIR
+    python -m titan_lrattnres.analysis --run DIR [--tokens N] --out DIR [--generated]
+
+``--generated`` analyses the model's routing on its OWN samples: each batch row starts from
+``--prompt-len`` tokens of the data and is continued by the model (KV-cached decoding,
+``--temperature`` with a seeded generator) to ``--seq-len`` tokens; the report compares it with
+the routing on the data it was prompted from.
 """
 
 from __future__ import annotations
@@ -265,6 +270,21 @@ def pick_tokens(ns, vocab: int) -> tuple[str, torch.Tensor | None]:
     return "random tokens", None
 
 
+@torch.no_grad()
+def generated_batches(model, batches, prompt_len: int, temperature: float, seed: int):
+    """Each batch's rows cut to ``prompt_len`` tokens and continued by ``model`` to their length
+    (``titan_lrattnres.generate.generate``, KV cache, seeded sampling)."""
+    from titan_lrattnres.generate import generate
+
+    out = []
+    for i, b in enumerate(batches):
+        if not 1 <= prompt_len < b.shape[1]:
+            raise ValueError(f"--prompt-len must be in [1, {b.shape[1] - 1}], got {prompt_len}")
+        n = b.shape[1] - prompt_len
+        out.append(generate(model, b[:, :prompt_len], n, temperature=temperature, seed=seed + i))
+    return out
+
+
 def main(argv=None) -> int:
     from titan_lrattnres.inference import add_checkpoint_args, load_from_cli
 
@@ -287,6 +307,9 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--generated", action="store_true", help="analyse the model's own continuations")
+    p.add_argument("--prompt-len", type=int, default=16, help="--generated: prompt tokens")
+    p.add_argument("--temperature", type=float, default=1.0, help="--generated: sampling")
     ns = p.parse_args(argv)
     model, args, _ = load_from_cli(ns)
     out = Path(ns.out)
@@ -303,11 +326,22 @@ def main(argv=None) -> int:
     vocab = model.vocab_size  # real ids only (the embedding rows are padded)
     data, flat = pick_tokens(ns, vocab)
     batches = token_batches(ns.tokens, ns.batch, ns.seq_len, vocab, tokens=flat, seed=ns.seed)
+    prompted = None
+    if ns.generated:
+        prompted = summarise(analyse(model, batches)[0])
+        batches = generated_batches(model, batches, ns.prompt_len, ns.temperature, ns.seed)
+        data = (
+            f"the model's own samples (temperature {ns.temperature}, {ns.prompt_len}-token "
+            f"prompts from {data})"
+        )
     stats, summary = analyse(model, batches)
     ntok = sum(b.numel() for b in batches)
     header = f"{name}, {ntok} tokens of {data}"
     plot_heatmap(stats, out / "routing_heatmap.png", title=name)
     md = markdown_report(stats, summary, header)
+    if prompted is not None:
+        md += "\n| averaged over sites | own samples | the prompting data |\n|---|---|---|\n"
+        md += "".join(f"| {k} | {summary[k]:.3f} | {prompted[k]:.3f} |\n" for k in summary)
     (out / "routing.md").write_text(md)
     (out / "routing.json").write_text(
         json.dumps(
@@ -316,6 +350,7 @@ def main(argv=None) -> int:
                 "tokens": ntok,
                 "data": str(data),
                 "summary": summary,
+                "summary_on_prompt_data": prompted,
                 "sites": [asdict(s) for s in stats],
             },
             indent=2,

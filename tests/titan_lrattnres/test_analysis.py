@@ -157,3 +157,28 @@ def test_cli_on_dcp_run_with_trainer_summary_only(tmp_path):
     _, want = analysis.capture_routing(model, tokens[0])
     got = report["sites"][2]["mean_weight"]
     assert got == pytest.approx(want[2].reshape(want[2].shape[0], -1).mean(1).tolist(), rel=1e-5)
+
+
+def test_cli_on_the_models_own_samples(tmp_path):
+    model, args = _model("sliced", 2)
+    save_safetensors(model, args, tmp_path / "ckpt")
+    argv = ["--checkpoint", str(tmp_path / "ckpt"), "--out", str(tmp_path / "out"), "--tokens",
+            "64", "--batch", "2", "--seq-len", "16", "--random", "--generated", "--prompt-len",
+            "4"]  # fmt: skip
+    assert analysis.main(argv) == 0
+    report = json.loads((tmp_path / "out" / "routing.json").read_text())
+    assert report["tokens"] == 64 and "own samples" in report["data"]
+    assert report["summary_on_prompt_data"].keys() == report["summary"].keys()
+    assert "| own samples | the prompting data |" in (tmp_path / "out" / "routing.md").read_text()
+
+
+def test_generated_batches_keep_the_prompt_and_continue_it():
+    model, _ = _model("sliced", 2)
+    batch = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    (out,) = analysis.generated_batches(model, [batch], prompt_len=3, temperature=1.0, seed=0)
+    assert out.shape == batch.shape and torch.equal(out[:, :3], batch[:, :3])
+    assert not torch.equal(out, batch)  # the rest is the model's, not the data
+    (again,) = analysis.generated_batches(model, [batch], prompt_len=3, temperature=1.0, seed=0)
+    assert torch.equal(out, again)  # seeded
+    with pytest.raises(ValueError, match=r"--prompt-len must be in \[1, 9\]"):
+        analysis.generated_batches(model, [batch], prompt_len=10, temperature=1.0, seed=0)
