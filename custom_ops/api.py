@@ -5,6 +5,19 @@
 CPU tensors need ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA tensors, compiled elsewhere).
 ``keys=None`` (or ``partial_key=None``) means sliced keys: the last ``r = query.shape[-1]`` dims of
 each value, read in place, never copied.
+
+Range (``tests/custom_ops/test_extreme_inputs.py``, every backend): values and keys of any
+magnitude from 1e-30 to 1e4 in fp32 and up to the largest finite value in fp16 / bf16, query
+norms from 1e-2 to 1e3 (1e5 to give one source a lead of 1e4 in logit): h, lse and RMSNorm(h)
+are finite and within the dtype's tolerance of the float64 maths (the key and h norms cannot
+overflow). So are the gradients while ``<dh, v>`` fits fp32 (bf16 values up to ~1e30). A routing
+weight below fp32's smallest normal (2^-126) is 0, and so is all it carries. The fused CPU
+kernels (fp32 only) square h for RMSNorm(h) in fp32: values up to ~1e19 there.
+
+Non-finite inputs: a NaN or inf in one token's values, keys, ``out1``, ``lse1`` or partial stays
+in that token. Every other token's outputs and value / key / out1 / lse1 gradients are bit for
+bit those of the same call without it. The query's gradient, a sum over tokens, is then not
+finite, and a non-finite query reaches every token.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 NORM_EPS = torch.finfo(torch.float32).eps
+_HUGE = 2.0**40  # rows holding an entry at least this large are rescaled before any square
 
 
 def _key(values, keys, s: int, rank: int) -> torch.Tensor:
@@ -36,25 +37,40 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _prescaled(x: torch.Tensor):
+    """``(x·scale, scale [n, 1])`` for rows ``x [n, w]`` fp32: ``scale`` is 1 unless a row holds
+    an entry >= 2^40, then the power of two that brings its largest entry to ~2^20 (exact).
+    Squares of entries up to 3.4e38 then neither overflow fp32 nor does rstd² underflow, and eps
+    (< 2^-50 of such a row's mean square) changes nothing: RMSNorm(x·scale) = RMSNorm(x)."""
+    amax = x.abs().amax(-1, keepdim=True)
+    shift = 20 - torch.frexp(amax).exponent
+    scale = torch.where(amax >= _HUGE, torch.ldexp(torch.ones_like(amax), shift), 1.0)
+    return x * scale, scale
+
+
 def _key_rstd(key: torch.Tensor, eps: float):
-    """``(k [n, r] fp32 raw, rstd [n])``: one source's key and its RMSNorm scale. k̄ = k·rstd
-    is never materialised: the logits are scaled after the matmul instead."""
-    k = _rows(key).float()
+    """``(k [n, r] fp32, rstd [n], scale [n])``: one source's key times ``scale`` (a power of
+    two, see ``_prescaled``) and k's RMSNorm scale, so RMSNorm(key) = k·rstd and the gradient of
+    the raw key is ``scale`` times k's. k̄ is never materialised: the logits are scaled after the
+    matmul instead."""
+    k, scale = _prescaled(_rows(key).float())
     norm = torch.linalg.vector_norm(k, dim=-1)  # one fused reduction, no [n, r] temporary
-    return k, torch.rsqrt(norm * norm / k.shape[-1] + eps)
+    return k, torch.rsqrt(norm * norm / k.shape[-1] + eps), scale[:, 0]
 
 
 def _logits(values, keys, q, eps: float):
-    """``(ℓ [S, C, n], raw keys, rstds)``: every source's logits against the bank, fp32."""
+    """``(ℓ [S, C, n], keys, rstds, scales)``: every source's logits against the bank, fp32,
+    with each source's ``_key_rstd``."""
     rank = q.shape[-1]
     logits = q.new_empty(len(values), q.shape[0], _rows(values[0]).shape[0])
-    ks, rstds = [], []
+    ks, rstds, scales = [], [], []
     for s in range(len(values)):
-        k, rstd = _key_rstd(_key(values, keys, s, rank), eps)
+        k, rstd, scale = _key_rstd(_key(values, keys, s, rank), eps)
         logits[s] = (q @ k.t()) * rstd
         ks.append(k)
         rstds.append(rstd)
-    return logits, ks, rstds
+        scales.append(scale)
+    return logits, ks, rstds, scales
 
 
 @torch.no_grad()
@@ -71,13 +87,14 @@ def read_fwd(values, keys, queries, eps: float):
     return out.view(nc, *lead, d), lse.view(nc, *lead)
 
 
-def _add_key_grad(target, dlogit, logit, k, rstd, q):
-    """``target += ∂(Σ_c dℓ_c ℓ_c)/∂k`` for ``ℓ_c = <q_c, k·rstd>`` (``dlogit, logit [C, n]``,
-    ``k [n, r]``, ``target [n, r]``, in place), returns ``dq [C, r]``. RMSNorm backward with
-    ``Σ_r (Σ_c dℓ_c q_c) k̄ = Σ_c dℓ_c ℓ_c``: ``dk = rstd·dℓᵀq - k·rstd²·Σ_c dℓ_c ℓ_c / r``."""
+def _add_key_grad(target, dlogit, logit, k, rstd, scale, q):
+    """``target += ∂(Σ_c dℓ_c ℓ_c)/∂key`` for ``ℓ_c = <q_c, k·rstd>``, ``k = key·scale``
+    (``dlogit, logit [C, n]``, ``k [n, r]``, ``target [n, r]``, in place), returns ``dq [C, r]``.
+    RMSNorm backward with ``Σ_r (Σ_c dℓ_c q_c) k̄ = Σ_c dℓ_c ℓ_c``:
+    ``dk = rstd·dℓᵀq - k·rstd²·Σ_c dℓ_c ℓ_c / r``, times ``scale`` for the raw key."""
     scaled = dlogit * rstd  # [C, n]
-    target.addmm_(scaled.t(), q)
-    coef = (dlogit * logit).sum(0) * rstd * rstd / k.shape[-1]
+    target.addmm_((scaled * scale).t(), q)
+    coef = (dlogit * logit).sum(0) * rstd * rstd * scale / k.shape[-1]
     target.addcmul_(k, coef.unsqueeze(-1), value=-1)
     return scaled @ k
 
@@ -92,7 +109,7 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     q = queries.float()
     nc, rank = q.shape
     shape, d = values[0].shape, values[0].shape[-1]
-    logits, ks, rstds = _logits(values, keys, q, eps)
+    logits, ks, rstds, scales = _logits(values, keys, q, eps)
     alpha = torch.exp(logits - lse.reshape(nc, -1).float())  # [S, C, n]
     # e^{ℓ-lse} sums to 1 only up to rounding, and dα - D amplifies that error for a dominant
     # source: renormalised, the gradients are as exact as the eager softmax's.
@@ -115,28 +132,32 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
             dv = alpha[s, 0].unsqueeze(-1) * dh[0]
             for c in range(1, nc):
                 dv.addcmul_(dh[c], alpha[s, c].unsqueeze(-1))
+        key_terms = (dlogit[s], logits[s], ks[s], rstds[s], scales[s], q)
         if keys is None:
-            grad_q += _add_key_grad(dv[:, d - rank :], dlogit[s], logits[s], ks[s], rstds[s], q)
+            grad_q += _add_key_grad(dv[:, d - rank :], *key_terms)
         else:
             dk = torch.zeros_like(ks[s])
-            grad_q += _add_key_grad(dk, dlogit[s], logits[s], ks[s], rstds[s], q)
+            grad_q += _add_key_grad(dk, *key_terms)
             grad_keys.append(dk.view(keys[s].shape))
         grad_values.append(dv.view(shape))
     return grad_values, (None if keys is None else grad_keys), grad_q
 
 
 def rmsnorm_fp32(h: torch.Tensor) -> torch.Tensor:
-    """Parameter-free RMSNorm of the (already rounded) h, fp32, eps = finfo(fp32).eps."""
-    x = h.float()
+    """Parameter-free RMSNorm of the (already rounded) h, fp32, eps = finfo(fp32).eps (rows
+    with entries >= 2^40 rescaled first, as keys are: ``_prescaled``)."""
+    x = _prescaled(_rows(h).float())[0].view(h.shape)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
 
 
 def _merge_weights(lse1, pk, q, eps: float):
-    """``(w2 [n], ℓ [1, n], k [n, r], rstd [n])``: the partial's share ``w2 = σ(ℓ - lse1)`` of
-    the two-way softmax of ``(lse1, ℓ)``, with its raw key and RMSNorm scale."""
-    k, rstd = _key_rstd(pk, eps)
+    """``(w1, w2 [n], ℓ [1, n], k [n, r], rstd [n], scale [n])``: the two-way softmax of
+    ``(lse1, ℓ)``, each share from its own sigmoid (``1 - w2`` would round a share below 2^-24
+    to nothing: the out1 term of h and its gradients), with the partial's ``_key_rstd``."""
+    k, rstd, scale = _key_rstd(pk, eps)
     logit = (q @ k.t()) * rstd  # [1, n]
-    return torch.sigmoid(logit[0] - lse1.reshape(-1).float()), logit, k, rstd
+    lse1 = lse1.reshape(-1).float()
+    return torch.sigmoid(lse1 - logit[0]), torch.sigmoid(logit[0] - lse1), logit, k, rstd, scale
 
 
 def _partial_key(partial_value, partial_key, rank: int):
@@ -153,9 +174,10 @@ def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_no
     """
     q = query.float().unsqueeze(0)
     pv = partial_value
-    w2 = _merge_weights(lse1, _partial_key(pv, partial_key, q.shape[-1]), q, eps)[0]
-    h = torch.lerp(_rows(out1).float(), _rows(pv).float(), w2.unsqueeze(-1))  # one pass
-    h = h.to(pv.dtype).view(pv.shape)
+    w1, w2 = _merge_weights(lse1, _partial_key(pv, partial_key, q.shape[-1]), q, eps)[:2]
+    # not lerp(out1, pv, w2) = out1 + w2·(pv - out1): that cancels out1 where w1 << 1
+    h = _rows(out1).float() * w1.unsqueeze(-1)
+    h = h.addcmul_(_rows(pv), w2.unsqueeze(-1)).to(pv.dtype).view(pv.shape)
     norm = rmsnorm_fp32(h).to(h.dtype) if emit_norm else h.new_empty(0)
     return h, norm
 
@@ -167,14 +189,15 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     q = query.float().unsqueeze(0)
     rank = q.shape[-1]
     pv = partial_value
-    w2, logit, k, rstd = _merge_weights(lse1, _partial_key(pv, partial_key, rank), q, eps)
-    w1 = 1 - w2
+    w1, w2, logit, k, rstd, scale = _merge_weights(
+        lse1, _partial_key(pv, partial_key, rank), q, eps
+    )
     dh = None if grad_h is None else _rows(grad_h).float()  # read-only: no copy when fp32
     if grad_norm is not None and grad_norm.numel() > 0:
-        hf = _rows(h).float()
+        hf, hscale = _prescaled(_rows(h).float())
         hrstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
         y, gy = hf * hrstd, _rows(grad_norm).float()
-        dnorm = hrstd * (gy - y * (gy * y).mean(-1, keepdim=True))
+        dnorm = (hscale * hrstd) * (gy - y * (gy * y).mean(-1, keepdim=True))
         dh = dnorm if dh is None else dh + dnorm
     if dh is None:
         dh = torch.zeros(_rows(h).shape, dtype=torch.float32, device=h.device)
@@ -186,9 +209,9 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     d_out1, d_pv = w1.unsqueeze(-1) * dh, w2.unsqueeze(-1) * dh
     if partial_key is None:
         dk = None
-        d_q = _add_key_grad(d_pv[:, pv.shape[-1] - rank :], dlogit[None], logit, k, rstd, q)
+        d_q = _add_key_grad(d_pv[:, pv.shape[-1] - rank :], dlogit[None], logit, k, rstd, scale, q)
     else:
         dk = torch.zeros_like(k)
-        d_q = _add_key_grad(dk, dlogit[None], logit, k, rstd, q)
+        d_q = _add_key_grad(dk, dlogit[None], logit, k, rstd, scale, q)
         dk = dk.view(partial_key.shape)
     return d_out1.view(pv.shape), (-dlogit).view(lse1.shape), d_pv.view(pv.shape), dk, d_q[0]

@@ -43,9 +43,18 @@ def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], query: 
 
 
 def key_rmsnorm(key: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """Parameter-free RMSNorm over the last dim, computed (and returned) in fp32."""
+    """Parameter-free RMSNorm over the last dim, computed (and returned) in fp32.
+
+    A row whose largest |entry| is >= 1 is first scaled by the power of two that brings it into
+    [0.5, 1), and eps by its square: the same norm (bit for bit: scaling by 2^-e is exact), but
+    neither k² (from |k| ~ 2^64; bf16 reaches 2^128) nor, in autograd, a gradient times k
+    overflows.
+    """
     k = key.float()
-    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + _eps(eps))
+    exponent = torch.frexp(k.abs().amax(-1, keepdim=True)).exponent.clamp(min=0)
+    down = torch.ldexp(torch.ones_like(k[..., :1]), -exponent)
+    k = k * down
+    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + _eps(eps) * down * down)
 
 
 def sliced_keys(values: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
@@ -97,7 +106,8 @@ def merge_reads(out1, lse1, out2, lse2):
     m = torch.maximum(lse1, lse2)
     w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
     z = w1 + w2
-    out = (w1.unsqueeze(-1) * out1.float() + w2.unsqueeze(-1) * out2.float()) / z.unsqueeze(-1)
+    # normalised weights first: w1·o1 + w2·o2 (z up to 2) could overflow for |o| near 3e38
+    out = (w1 / z).unsqueeze(-1) * out1.float() + (w2 / z).unsqueeze(-1) * out2.float()
     return out.to(out1.dtype), m + torch.log(z)
 
 

@@ -151,12 +151,15 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
     free(l);
 }
 
-/* Phase-2 merge weights of token i: returns w2 (the partial's share); *logit, *rstd set. */
+/* Phase-2 merge weights of token i: returns w2 (the partial's share), sets *w1_out (out1's);
+ * *logit, *rstd set. Both shares come from their own exponential: w1 = 1 - w2 would lose a
+ * share below 2^-24 (the out1 term of h and its gradients) to rounding. */
 static float merge_weight(const float *k, const float *q, int64_t r, double eps, float lse1,
-                          float *logit, float *rstd) {
+                          float *logit, float *rstd, float *w1_out) {
     *rstd = key_logits(k, q, 1, r, eps, logit);
     float m = fmaxf(lse1, *logit);
     float w1 = expf(lse1 - m), w2 = expf(*logit - m);
+    *w1_out = w1 / (w1 + w2);
     return w2 / (w1 + w2);
 }
 
@@ -167,7 +170,7 @@ static void merge_fwd_range(int64_t n, int64_t d, int64_t r, const float *o1, in
     (void)n; /* rows are addressed through their strides; n is the tensors' row count */
     for (int64_t i = t0; i < t1; i++) {
         float logit, rstd;
-        float w2 = merge_weight(pk + i * pks, q, r, eps, lse1[i], &logit, &rstd), w1 = 1 - w2;
+        float w1, w2 = merge_weight(pk + i * pks, q, r, eps, lse1[i], &logit, &rstd, &w1);
         const float *a = o1 + i * o1s, *b = pv + i * pvs;
         float *hi = h + i * d;
         for (int64_t j = 0; j < d; j++) hi[j] = w1 * a[j] + w2 * b[j];
@@ -192,7 +195,7 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
     for (int64_t i = t0; i < t1; i++) {
         float logit, rstd;
         const float *k = pk + i * pks;
-        float w2 = merge_weight(k, q, r, eps, lse1[i], &logit, &rstd), w1 = 1 - w2;
+        float w1, w2 = merge_weight(k, q, r, eps, lse1[i], &logit, &rstd, &w1);
         if (gh) memcpy(dh, gh + i * d, sizeof(float) * d);
         else memset(dh, 0, sizeof(float) * d);
         if (gn) {

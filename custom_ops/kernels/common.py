@@ -200,6 +200,25 @@ def source(
     return v_ptr, v_stride, k_ptr, k_stride
 
 
+# Overflow guard of the RMSNorms (keys, and h in the merge): besides Σx², the kernels sum the
+# squares of x·DOWN, exact in fp32's normal range. A row whose plain sum reaches HUGE_SUMSQ
+# (entries from ~2^57; bf16 and fp32 reach 2^128, whose square overflows) takes the scaled sum,
+# where eps is < 2^-90 of the mean square and so dropped: no overflow, same norm.
+DOWN = tl.constexpr(2.0**-72)  # (2^128·2^-72)² · 4096 columns < 2^127
+UP = tl.constexpr(2.0**72)
+HUGE_SUMSQ = tl.constexpr(2.0**120)
+
+
+@triton.jit
+def norm_scales(sumsq, sumsq_down, n, eps):
+    """``(inv, down)`` of rows with ``sumsq = Σx²`` and ``sumsq_down = Σ(x·DOWN)²`` over n
+    columns: ``RMSNorm(x) = (x·down)·inv``, ``rstd = down·inv``; down is 1 or DOWN."""
+    big = sumsq >= HUGE_SUMSQ  # inf included; NaN is not, and stays NaN
+    # sumsq_down >= 2^-24 where it is used; the floor only keeps the unused branch finite
+    inv = tl.where(big, tl.rsqrt(tl.maximum(sumsq_down / n, 1e-30)), tl.rsqrt(sumsq / n + eps))
+    return inv, tl.where(big, DOWN, 1.0)
+
+
 @triton.jit
 def bank_logits(
     k_ptr,
@@ -216,15 +235,23 @@ def bank_logits(
     BLOCK_R: tl.constexpr,
 ):
     """``(ℓ [BLOCK_C, BLOCK_T], rstd [BLOCK_T])``: ``ℓ_c = <q_c, k · rstd>`` with the key's
-    RMSNorm ``rstd = rsqrt(mean(k²) + eps)``, one loop over r tiles, all fp32."""
+    RMSNorm ``rstd = rsqrt(mean(k²) + eps)``, one loop over r tiles, all fp32.
+
+    Any finite key: the squares are summed as in ``norm_scales`` and the dot products taken on
+    k·DOWN (exact, or below fp32's normal range an absolute error < 2^-60 in a logit), so no
+    |k| up to 2^128 overflows; rstd (from 2^-128 to 2^11.5) may be subnormal."""
     sumsq = tl.zeros([BLOCK_T], tl.float32)
-    dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
+    sumsq_down = tl.zeros([BLOCK_T], tl.float32)
+    dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)  # of k·DOWN
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         k = load_tile(k_ptr, offs_t, k_stride, offs_r, mask_t, mask_r)
         q = load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)
+        kd = k * DOWN
         sumsq += tl.sum(k * k, axis=1)
-        dot += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
-    rstd = tl.rsqrt(sumsq / R + eps)
-    return dot * rstd[None, :], rstd
+        sumsq_down += tl.sum(kd * kd, axis=1)
+        dot += tl.sum(q[:, None, :] * kd[None, :, :], axis=2)
+    inv, down = norm_scales(sumsq, sumsq_down, R, eps)
+    # ℓ = <q, k·DOWN>·(inv·down/DOWN); inv·down/DOWN is rstd·2^72 (<= 2^84): no underflow
+    return dot * (inv * (down * UP))[None, :], inv * down

@@ -21,17 +21,21 @@ NORM_EPS = torch.finfo(torch.float32).eps
 def _partial_logit(
     PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
 ):
+    """``(ℓ, rstd)`` of the partial key, overflow-safe as ``common.bank_logits``."""
     sumsq = tl.zeros([BLOCK_T], tl.float32)
-    dot = tl.zeros([BLOCK_T], tl.float32)
+    sumsq_down = tl.zeros([BLOCK_T], tl.float32)
+    dot = tl.zeros([BLOCK_T], tl.float32)  # of k·DOWN
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
         k = common.load_tile(PK, offs_t, pk_stride, offs_r, mask_t, mask_r)
         q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
+        kd = k * common.DOWN
         sumsq += tl.sum(k * k, axis=1)
-        dot += tl.sum(k * q[None, :], axis=1)
-    rstd = tl.rsqrt(sumsq / R + eps)
-    return dot * rstd, rstd
+        sumsq_down += tl.sum(kd * kd, axis=1)
+        dot += tl.sum(kd * q[None, :], axis=1)
+    inv, down = common.norm_scales(sumsq, sumsq_down, R, eps)
+    return dot * (inv * (down * common.UP)), inv * down
 
 
 @triton.jit
@@ -44,13 +48,16 @@ def _merge_weights(LSE1, offs_t, mask_t, logit):
 
 
 @triton.jit
-def _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM: tl.constexpr):
-    """fp32 tile of the total grad of h: ``dh`` (+ the RMSNorm backward ``rstd·gy - h·cy``)."""
+def _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, inv, down, my, HAS_NORM: tl.constexpr):
+    """fp32 tile of the total grad of h: ``dh`` (+ the RMSNorm backward
+    ``rstd·(gy - y·mean(gy·y))`` with ``y = (h·down)·inv``, ``rstd = down·inv``,
+    ``my = mean(gy·y)``; see ``common.norm_scales``)."""
     dh = common.load_tile(DH, offs_t, D, offs_d, mask_t, mask_d)
     if HAS_NORM:
         h = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d)
         gy = common.load_tile(DN, offs_t, D, offs_d, mask_t, mask_d)
-        dh += hrstd[:, None] * gy - h * cy[:, None]
+        y = (h * down[:, None]) * inv[:, None]
+        dh += (down * inv)[:, None] * (gy - y * my[:, None])
     return dh
 
 
@@ -58,8 +65,10 @@ def _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM: t
 def _key_grad(dlogit, rstd, g, k, Q, DQ, offs_r, mask_r):
     """dk of one key tile ``k [BLOCK_T, BLOCK_R]`` (columns ``offs_r``); stores its partial dq."""
     q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-    tl.store(DQ + offs_r, tl.sum((dlogit * rstd)[:, None] * k, axis=0), mask=mask_r)
-    return (dlogit * rstd)[:, None] * q[None, :] - k * (rstd * g)[:, None]
+    kbar = k * rstd[:, None]
+    tl.store(DQ + offs_r, tl.sum(dlogit[:, None] * kbar, axis=0), mask=mask_r)
+    # k̄·g, not k·(rstd·g): rstd² underflows for |k| from ~2^63
+    return (dlogit * rstd)[:, None] * q[None, :] - kbar * g[:, None]
 
 
 @triton.jit
@@ -92,6 +101,7 @@ def _merge_fwd_kernel(
     logit, _ = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
     w1, w2 = _merge_weights(LSE1, offs_t, mask_t, logit)
     sumsq = tl.zeros([BLOCK_T], tl.float32)
+    sumsq_down = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
@@ -100,15 +110,19 @@ def _merge_fwd_kernel(
         h = (w1[:, None] * o1 + w2[:, None] * v).to(H.dtype.element_ty)
         mask = mask_t[:, None] & mask_d[None, :]
         tl.store(H + offs_t[:, None] * D + offs_d[None, :], h, mask=mask)
-        hf = h.to(tl.float32)
-        sumsq += tl.sum(hf * hf, axis=1)
+        if EMIT_NORM:
+            hf = h.to(tl.float32)
+            hd = hf * common.DOWN
+            sumsq += tl.sum(hf * hf, axis=1)
+            sumsq_down += tl.sum(hd * hd, axis=1)
     if EMIT_NORM:
         tl.debug_barrier()
-        hrstd = tl.rsqrt(sumsq / D + norm_eps)
+        inv, down = common.norm_scales(sumsq, sumsq_down, D, norm_eps)
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
-            y = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d) * hrstd[:, None]
+            h = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d)
+            y = (h * down[:, None]) * inv[:, None]
             mask = mask_t[:, None] & mask_d[None, :]
             tl.store(
                 NORM + offs_t[:, None] * D + offs_d[None, :], y.to(NORM.dtype.element_ty), mask=mask
@@ -152,26 +166,32 @@ def _merge_bwd_kernel(
     mask_t = offs_t < T
     logit, rstd = _partial_logit(PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T, BLOCK_R)
     w1, w2 = _merge_weights(LSE1, offs_t, mask_t, logit)
-    hrstd = tl.zeros([BLOCK_T], tl.float32)
-    cy = tl.zeros([BLOCK_T], tl.float32)
+    inv = tl.zeros([BLOCK_T], tl.float32)
+    down = tl.zeros([BLOCK_T], tl.float32)
+    my = tl.zeros([BLOCK_T], tl.float32)
     if HAS_NORM:
         sumsq = tl.zeros([BLOCK_T], tl.float32)
-        gyh = tl.zeros([BLOCK_T], tl.float32)
+        sumsq_down = tl.zeros([BLOCK_T], tl.float32)
+        gyh = tl.zeros([BLOCK_T], tl.float32)  # Σ gy·h
+        gyh_down = tl.zeros([BLOCK_T], tl.float32)  # Σ gy·h·DOWN
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
             h = common.load_tile(H, offs_t, D, offs_d, mask_t, mask_d)
             gy = common.load_tile(DN, offs_t, D, offs_d, mask_t, mask_d)
+            hd = h * common.DOWN
             sumsq += tl.sum(h * h, axis=1)
+            sumsq_down += tl.sum(hd * hd, axis=1)
             gyh += tl.sum(gy * h, axis=1)
-        hrstd = tl.rsqrt(sumsq / D + norm_eps)
-        cy = gyh * hrstd * hrstd * hrstd / D  # rstd²·mean(gy·y): dh += rstd·gy - h·cy
+            gyh_down += tl.sum(gy * hd, axis=1)
+        inv, down = common.norm_scales(sumsq, sumsq_down, D, norm_eps)
+        my = tl.where(down == 1.0, gyh, gyh_down) * inv / D  # mean(gy·y)
     dw1 = tl.zeros([BLOCK_T], tl.float32)
     dw2 = tl.zeros([BLOCK_T], tl.float32)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
-        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM)
+        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, inv, down, my, HAS_NORM)
         o1 = common.load_tile(OUT1, offs_t, D, offs_d, mask_t, mask_d)
         v = common.load_tile(PV, offs_t, pv_stride, offs_d, mask_t, mask_d)
         dw1 += tl.sum(dh * o1, axis=1)
@@ -184,7 +204,7 @@ def _merge_bwd_kernel(
         offs_d = d0 + tl.arange(0, BLOCK_D)
         mask_d = offs_d < D
         mask = mask_t[:, None] & mask_d[None, :]
-        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, hrstd, cy, HAS_NORM)
+        dh = _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, inv, down, my, HAS_NORM)
         tl.store(
             DOUT1 + offs_t[:, None] * D + offs_d[None, :],
             (w1[:, None] * dh).to(DOUT1.dtype.element_ty),
