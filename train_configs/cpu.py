@@ -50,7 +50,7 @@ def cpu_smoke():
     )
 
 
-def _cpu_default(variant: str, name: str, full: bool = False):
+def _cpu_default(variant: str, name: str, full: bool = False, lr: float = 3e-3):
     blocks, rank = CPU_VARIANTS[variant]
     blocks = None if full else blocks
     return make_config(
@@ -62,7 +62,7 @@ def _cpu_default(variant: str, name: str, full: bool = False):
         seq_len=256,
         local_batch_size=8,
         steps=200,
-        lr=3e-3,
+        lr=lr,
         warmup_steps=20,
         decay_ratio=None,
         min_lr_factor=0.1,
@@ -111,6 +111,31 @@ def cpu_default_projected():
     return _cpu_default("projected", "cpu_default_projected")
 
 
+# The learning-rate check of the default sweep (is the baseline handicapped at the shared 3e-3?):
+# cpu_default_{baseline,attnres_full,attnres,sliced,projected}_lr{1e-3,1e-2}, 3e-3 being the
+# named configs above.
+SWEEP_LRS = {"1e-3": 1e-3, "1e-2": 1e-2}
+SWEEP_VARIANTS = {  # name suffix -> (variant, full)
+    "baseline": ("baseline", False),
+    "attnres_full": ("attnres", True),
+    "attnres": ("attnres", False),
+    "sliced": ("sliced", False),
+    "projected": ("projected", False),
+}
+
+
+def _lr_config(suffix: str, tag: str):
+    name = f"cpu_default_{suffix}_lr{tag}"
+    variant, full = SWEEP_VARIANTS[suffix]
+
+    def config():
+        return _cpu_default(variant, name, full=full, lr=SWEEP_LRS[tag])
+
+    config.__name__ = name
+    config.__doc__ = f"cpu_default_{suffix} at learning rate {tag} (the LR check)"
+    return config
+
+
 CONFIGS = {
     f.__name__: f
     for f in (
@@ -123,5 +148,6 @@ CONFIGS = {
         cpu_default_attnres,
         cpu_default_sliced,
         cpu_default_projected,
+        *(_lr_config(v, t) for v in SWEEP_VARIANTS for t in SWEEP_LRS),
     )
 }
