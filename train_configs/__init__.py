@@ -6,9 +6,9 @@ Run one with ``python -m titan_lrattnres.train NAME [overrides]`` or
 
 from __future__ import annotations
 
-from train_configs import cpu, paper_grid
+from train_configs import cpu, paper_grid, tiny
 
-CONFIGS = {**cpu.CONFIGS, **paper_grid.CONFIGS}
+CONFIGS = {**cpu.CONFIGS, **paper_grid.CONFIGS, **tiny.CONFIGS}
 
 
 def get_config(name: str):

@@ -15,10 +15,10 @@ from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
-from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 from torchtitan.models.common.config_utils import decoder_vocab_size
 
 from titan_lrattnres.data import register_datasets, tokenizer_dir
+from titan_lrattnres.loader import GlobalOrderDataLoader
 from titan_lrattnres.registry import model_registry
 from titan_lrattnres.trainer import EndValidator, LRAttnResTrainer
 
@@ -135,7 +135,7 @@ def make_config(
             # step itself has not been run anywhere yet.
             disable_cuda_graphs=True,
         ),
-        dataloader=HuggingFaceTextDataLoader.Config(dataset=dataset),
+        dataloader=GlobalOrderDataLoader.Config(dataset=dataset),
         metrics=MetricsProcessor.Config(log_freq=log_freq),
         parallelism=ParallelismConfig(),
         checkpoint=CheckpointManager.Config(
@@ -150,7 +150,7 @@ def make_config(
             enable=True,
             freq=val_freq or steps,
             steps=val_steps,
-            dataloader=HuggingFaceTextDataLoader.Config(dataset=val_dataset, infinite=False),
+            dataloader=GlobalOrderDataLoader.Config(dataset=val_dataset, infinite=False),
         ),
         debug=DebugConfig(seed=seed),
     )
