@@ -160,7 +160,10 @@ def measure(
                 )
                 + "  (prefill/decode ratio)"
             )
-        out[b] = {n: _summarise(runs[n], runs["baseline"], b) for n in variants}
+        out[b] = {
+            n: {"variant": list(parse_variant(n)), **_summarise(runs[n], runs["baseline"], b)}
+            for n in variants
+        }
     return out
 
 

@@ -16,7 +16,13 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
   tokens/s and peak memory (the run's ``summary.json``).
 
 Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
-FLOPs %, one labelled point per variant, 95% CI error bars).
+FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
+several learning rates (``cpu_default_*_lr*``), ``sweep.md`` (and ``sweep_best_lr.json``) add
+each model at its best rate with the paired difference to the baseline at ITS best rate.
+``--decode FILE`` (from ``python -m benchmarks.decode --json``) and ``--longctx FILE``
+(``longctx.json`` of ``python -m titan_lrattnres.longctx``) add their columns: decode latency
+per token over the baseline (batch 1 and 8), loss in the last quarter of a 4x-training-length
+input and the copy probe's second-occurrence loss at the longest gap, each minus the baseline's.
 """
 
 from __future__ import annotations
@@ -111,6 +117,23 @@ def evaluate_run(run_dir: Path, summary: dict, val_batches: int) -> dict:
     }
 
 
+def config_lr(name: str) -> float | None:
+    """The learning rate of a config's matrices (its last parameter group), or None."""
+    try:
+        from train_configs import get_config
+
+        return get_config(name).optimizer.param_groups[-1].optimizer_kwargs["lr"]
+    except (ImportError, KeyError, AttributeError, IndexError):
+        return None
+
+
+def model_key(variant: str, blocks, rank, block_layers=None) -> tuple:
+    """What identifies a model across tables: blocks/rank only where they apply."""
+    if variant == "baseline":
+        return ("baseline",)
+    return (variant, blocks, block_layers, None if variant == "attnres" else rank)
+
+
 def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
     """One table row from a run summary and (optionally) our own evaluation."""
     from titan_lrattnres.flops import added_flops_percent
@@ -131,6 +154,7 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
     ev = evaluation or {}
     return {
         "config": name,
+        "lr": config_lr(name),
         "variant": variant,
         "blocks": blocks,
         "block_layers": block_layers,
@@ -163,6 +187,50 @@ def add_paired_deltas(rows: list[dict]) -> None:
         r["delta_vs_baseline"], r["delta_ci95"] = ci95([a - b for a, b in zip(losses, base_losses)])
 
 
+def best_lr_rows(rows: list[dict]) -> list[dict]:
+    """Each model (``model_key``) at its lowest validation loss over learning rates, with the
+    paired difference to the baseline at the baseline's best rate; [] if no model has two rates."""
+    best: dict[tuple, dict] = {}
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        key = model_key(r["variant"], r["blocks"], r["rank"], r.get("block_layers"))
+        counts[key] = counts.get(key, 0) + 1
+        if r["val_loss"] is not None and (key not in best or r["val_loss"] < best[key]["val_loss"]):
+            best[key] = r
+    if max(counts.values(), default=0) < 2:
+        return []
+    picked = [dict(r) for r in best.values()]
+    add_paired_deltas(picked)
+    return picked
+
+
+def attach_extras(rows: list[dict], decode: dict | None, longctx: dict | None) -> None:
+    """Decode latency and long-input columns (see the module docstring), matched by model."""
+    if decode:
+        by_key = {}
+        for batch, table in decode["result"].items():
+            for r in table.values():
+                v, blocks, rank = r["variant"]
+                by_key.setdefault(model_key(v, blocks, rank), {})[str(batch)] = r["decode_ratio"]
+        for r in rows:
+            ratios = by_key.get(model_key(r["variant"], r["blocks"], r["rank"]), {})
+            r["decode_ratio_b1"], r["decode_ratio_b8"] = ratios.get("1"), ratios.get("8")
+    if longctx:
+        by_key = {}
+        for run in longctx["runs"].values():
+            a = run["model_args"]
+            vs = run.get("vs_baseline") or {}
+            far = max(vs.get("loss_by_position", {}) or [None], key=lambda f: int(f or 0))
+            tail = vs["loss_by_position"][far][-(len(vs["loss_by_position"][far]) // 4 or 1) :]
+            gaps = vs.get("copy_second_loss", {})
+            by_key[model_key(a["variant"], a.get("blocks"), a.get("rank"))] = {
+                "long_loss_delta": sum(tail) / len(tail),
+                "copy_delta": gaps[max(gaps, key=int)] if gaps else None,
+            }
+        for r in rows:
+            r.update(by_key.get(model_key(r["variant"], r["blocks"], r["rank"]), {}))
+
+
 def label(row: dict) -> str:
     v = {"baseline": "Baseline", "attnres": "Standard", "sliced": "S-LR", "projected": "P-LR"}
     name = v.get(row["variant"], row["variant"])
@@ -181,10 +249,21 @@ def _fmt(x, spec: str) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    extras = [
+        (k, h, f)
+        for k, h, f in (
+            ("decode_ratio_b1", "decode × base B=1", ".3f"),
+            ("decode_ratio_b8", "decode × base B=8", ".3f"),
+            ("long_loss_delta", "Δ loss, last ¼ of 4×T", "+.3f"),
+            ("copy_delta", "Δ copy loss, longest gap", "+.3f"),
+        )
+        if any(r.get(k) is not None for r in rows)
+    ]
     lines = [
-        "| model | config | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
-        "added FLOPs % | params | tokens/s | peak mem MiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | config | lr | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
+        "added FLOPs % | params | tokens/s | peak mem MiB |"
+        + "".join(f" {h} |" for _, h, _ in extras),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extras),
     ]
     for r in rows:
         loss = _fmt(r["val_loss"], ".4f")
@@ -194,10 +273,11 @@ def markdown_table(rows: list[dict]) -> str:
         if r.get("delta_ci95") is not None and not math.isnan(r["delta_ci95"]):
             delta += f" ± {r['delta_ci95']:.4f}"
         lines.append(
-            f"| {label(r)} | {r['config']} | {loss} | {delta} | "
+            f"| {label(r)} | {r['config']} | {_fmt(r.get('lr'), 'g')} | {loss} | {delta} | "
             f"{_fmt(r['added_flops_pct'], '.3f')} | "
             f"{_fmt(r['params'], ',')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
             f"{_fmt(r['peak_mem_mib'], ',.0f')} |"
+            + "".join(f" {_fmt(r.get(k), f)} |" for k, _, f in extras)
         )
     return "\n".join(lines) + "\n"
 
@@ -240,15 +320,25 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
     return path
 
 
-def write_report(rows: list[dict], out: Path) -> None:
+def write_report(rows: list[dict], out: Path, decode=None, longctx=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     add_paired_deltas(rows)
-    (out / "sweep.md").write_text(
+    attach_extras(rows, decode, longctx)
+    best = best_lr_rows(rows)
+    md = (
         "# Variant sweep\n\nMatched tokens, data and seed. Validation loss: mean of per-batch "
         "losses over the held-out split, ± 1.96·std/sqrt(n); Δ vs baseline: mean of the "
         "per-batch differences on the same batches, ± 1.96·std/sqrt(n).\n\n" + markdown_table(rows)
     )
+    if best:
+        md += (
+            "\n## Each model at its best learning rate\n\nΔ vs the baseline at the baseline's "
+            "best rate (same held-out batches, paired).\n\n" + markdown_table(best)
+        )
+    (out / "sweep.md").write_text(md)
     (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if best:
+        (out / "sweep_best_lr.json").write_text(json.dumps(best, indent=2) + "\n")
     plot(rows, out / "sweep.png")
 
 
@@ -263,6 +353,8 @@ def main(argv=None) -> int:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--val-batches", type=int, default=40)
     p.add_argument("--dry-run", action="store_true", help="print the commands, train nothing")
+    p.add_argument("--decode", help="JSON of python -m benchmarks.decode --json (columns)")
+    p.add_argument("--longctx", help="longctx.json of python -m titan_lrattnres.longctx")
     ns, extra = p.parse_known_args(argv)
     out = Path(ns.out)
     names = [c for c in ns.configs.split(",") if c]
@@ -302,7 +394,8 @@ def main(argv=None) -> int:
             evaluation = {}
         rows.append(make_row(name, summary, evaluation))
     if rows:
-        write_report(rows, out)
+        extras = [json.loads(Path(f).read_text()) if f else None for f in (ns.decode, ns.longctx)]
+        write_report(rows, out, *extras)
         print(markdown_table(rows))
     return 0
 

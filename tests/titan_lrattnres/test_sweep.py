@@ -57,7 +57,9 @@ def test_rows_table_and_plot(tmp_path):
     assert by["cpu_default_sliced"]["val_loss"] == pytest.approx(4.011)
     assert by["cpu_default_sliced"]["trainer_val_loss"] == pytest.approx(4.01)
     md = sweep.markdown_table(rows)
-    assert "| S-LR Block N=4 r=32 | cpu_default_sliced | 4.0110 ± 0.0100 | - | 0.526 |" in md
+    assert (
+        "| S-LR Block N=4 r=32 | cpu_default_sliced | 0.003 | 4.0110 ± 0.0100 | - | 0.526 |" in md
+    )
     assert "| Baseline |" in md and "P-LR Block N=4 r=32" in md and "Standard Block N=4" in md
     sweep.write_report(rows, tmp_path)
     assert json.loads((tmp_path / "sweep.json").read_text())[2]["config"] == "cpu_default_sliced"
@@ -110,3 +112,42 @@ def test_paired_deltas_use_per_batch_differences():
     diffs = [-0.1, -0.2, -0.1]
     assert abs(rows[1]["delta_ci95"] - sweep.ci95(diffs)[1]) < 1e-12
     assert rows[2]["delta_vs_baseline"] is None
+
+
+def test_best_learning_rate_table_and_extra_columns(tmp_path):
+    losses = {  # config -> per-batch validation losses (the same 3 held-out batches)
+        "cpu_default_baseline": [5.0, 5.2, 5.4],
+        "cpu_default_baseline_lr1e-2": [4.6, 4.8, 5.0],  # the baseline's best rate
+        "cpu_default_sliced": [4.4, 4.5, 4.6],  # sliced's best rate
+        "cpu_default_sliced_lr1e-2": [4.7, 4.9, 5.1],
+    }
+    rows = []
+    for name, ls in losses.items():
+        variant = "baseline" if "baseline" in name else "sliced"
+        s = _summary(variant, None if variant == "baseline" else 4, 32, sum(ls) / 3)
+        rows.append(sweep.make_row(name, s, {"val_loss": sum(ls) / 3, "val_batch_losses": ls}))
+    assert [r["lr"] for r in rows] == [3e-3, 1e-2, 3e-3, 1e-2]
+    best = {r["config"]: r for r in sweep.best_lr_rows(rows)}
+    assert sorted(best) == ["cpu_default_baseline_lr1e-2", "cpu_default_sliced"]
+    assert best["cpu_default_sliced"]["delta_vs_baseline"] == pytest.approx(-0.3)  # vs 1e-2 base
+    assert sweep.best_lr_rows(rows[::2]) == []  # one rate per model: no such table
+    decode = {
+        "result": {
+            "1": {
+                "baseline": {"variant": ["baseline", None, 0], "decode_ratio": 1.0},
+                "sliced4_r32": {"variant": ["sliced", 4, 32], "decode_ratio": 1.2},
+            }
+        }
+    }  # noqa: E501
+    longctx = {"runs": {"sliced N=4 r=32": {
+        "model_args": {"variant": "sliced", "blocks": 4, "rank": 32},
+        "vs_baseline": {"loss_by_position": {"1": [0.0], "4": [0.0, 0.0, 0.0, -0.2]},
+                        "copy_second_loss": {"0": -0.1, "896": -0.5}}}}}  # fmt: skip
+    sweep.write_report(rows, tmp_path, decode, longctx)
+    by = {r["config"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
+    assert by["cpu_default_sliced"]["decode_ratio_b1"] == 1.2
+    assert by["cpu_default_sliced"]["long_loss_delta"] == pytest.approx(-0.2)
+    assert by["cpu_default_sliced"]["copy_delta"] == pytest.approx(-0.5)
+    md = (tmp_path / "sweep.md").read_text()
+    assert "## Each model at its best learning rate" in md and "decode × base B=1" in md
+    assert len(json.loads((tmp_path / "sweep_best_lr.json").read_text())) == 2
