@@ -119,7 +119,7 @@ def environment() -> dict:
         "cpu_flags_sha256": hashlib.sha256(info.get("flags", "").encode()).hexdigest()[:16],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
-        "c_compiler": version.stdout.splitlines()[0] if version and version.stdout else None,
+        "c_compiler": f"{cc}: {version.stdout.splitlines()[0]}" if version else None,
         "c_kernels": cpu_kernels.library() is not None,
         "tokenizers": md.version("tokenizers"),
         "datasets": md.version("datasets"),
