@@ -1,7 +1,15 @@
 import pytest
 import torch
 
+from tests.titan_lrattnres.trainer_runs import tiny_corpus_env
 from titan_lrattnres import model_registry
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory):
+    """Subprocess environment whose data cache holds the tiny stdlib corpus (V=1024), built
+    once per session and shared by every test that launches training."""
+    return tiny_corpus_env(tmp_path_factory.getbasetemp() / "lrattnres_tiny_corpus")
 
 
 @pytest.fixture

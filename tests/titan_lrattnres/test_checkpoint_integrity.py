@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_lrattnres import analysis, data, export, generate, integrity, sweep
+from titan_lrattnres import analysis, export, generate, integrity, sweep
 from titan_lrattnres.inference import build_model, load_model
 from titan_lrattnres.train import finished_step
 
@@ -254,19 +254,6 @@ KILL_DRIVER = textwrap.dedent("""
         FileSystemWriter.finish = killing(FileSystemWriter.finish, lambda writer: writer.path)
     sys.exit(main(sys.argv[3:]))
 """)
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """Environment with a tiny stdlib corpus (V=1024) as the data cache."""
-    cache = tmp_path_factory.mktemp("data_cache")
-    files = data.stdlib_files()
-    train = [f for f in files if not data.is_validation(f[0])][:20]
-    val = [f for f in files if data.is_validation(f[0])][:4]
-    data.build_corpus(data.corpus_dir(cache), train + val, vocab_size=1024)
-    e = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    e[data.CACHE_ENV] = str(cache)
-    return e
 
 
 def _train(env, *args, driver: list[str] | None = None) -> subprocess.CompletedProcess:

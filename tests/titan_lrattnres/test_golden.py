@@ -15,14 +15,12 @@ import warnings
 import pytest
 
 from tests.titan_lrattnres.golden import regen as golden
-from tests.titan_lrattnres.trainer_runs import tiny_corpus_env
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
-    env = tiny_corpus_env(tmp_path_factory.getbasetemp() / "lrattnres_tiny_corpus")
+def fresh(tmp_path_factory, env):
     return golden.record(tmp_path_factory.mktemp("golden"), env)
 
 

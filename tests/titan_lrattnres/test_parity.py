@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.titan_lrattnres.trainer_runs import launch, tiny_corpus_env
+from tests.titan_lrattnres.trainer_runs import launch
 
 pytestmark = pytest.mark.slow
 VARIANTS = ("tiny_sliced", "tiny_projected")
@@ -37,11 +37,6 @@ STEPS, SAVE_AT, RTOL, LOGGED_GRAD_NORM_RTOL = 6, 3, 1e-5, 5e-5
 ONE = ["--training.local_batch_size", "4"]
 TWO = ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2"]
 TRAIN = ["--training.steps", str(STEPS), "--checkpoint.interval", str(SAVE_AT)]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return tiny_corpus_env(tmp_path_factory.getbasetemp() / "lrattnres_tiny_corpus")
 
 
 def _run(name: str, config: str, folder: Path, *extra: str) -> dict:

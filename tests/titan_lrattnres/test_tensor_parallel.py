@@ -15,7 +15,6 @@ logits within ``RTOL`` of the TP model's own (measured: 3.5e-7; the matmuls are 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lrattnres import data, inference
+from titan_lrattnres import inference
 from titan_lrattnres.model import PAD_LOGIT
 from titan_lrattnres.registry import build_model_config
 
@@ -162,25 +161,6 @@ def test_context_parallel_is_refused_with_the_reason():
 
 
 # -- slow: multi-process parity ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("tp_data_cache")
-    files = data.stdlib_files()
-    train = [f for f in files if not data.is_validation(f[0])][:60]
-    val = [f for f in files if data.is_validation(f[0])][:8]
-    data.build_corpus(data.corpus_dir(cache), train + val, vocab_size=1024)
-    e = dict(os.environ)
-    e.update(
-        PYTHONPATH=str(ROOT),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        OMP_NUM_THREADS="1",
-    )
-    e[data.CACHE_ENV] = str(cache)
-    return e
-
-
 class Runs:
     """Seed checkpoints and one-process references, made once per model and reused."""
 

@@ -17,31 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from titan_lrattnres import cpu, data, integrity
+from titan_lrattnres import cpu, integrity
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 DETERMINISTIC = ["--debug.seed", "0", "--debug.deterministic"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """Environment with a tiny stdlib corpus (V=1024) as the data cache."""
-    cache = tmp_path_factory.mktemp("data_cache")
-    files = data.stdlib_files()
-    train = [f for f in files if not data.is_validation(f[0])][:60]
-    val = [f for f in files if data.is_validation(f[0])][:8]
-    data.build_corpus(data.corpus_dir(cache), train + val, vocab_size=1024)
-    e = dict(os.environ)
-    e.update(
-        PYTHONPATH=str(ROOT),
-        HF_HUB_OFFLINE="1",
-        HF_DATASETS_OFFLINE="1",
-        TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"),
-        OMP_NUM_THREADS="1",
-    )
-    e[data.CACHE_ENV] = str(cache)
-    return e
 
 
 def _train_cmd(*args) -> list[str]:
