@@ -51,7 +51,7 @@ PARTIAL = "        i = t - first\n        return custom_ops.merge_partial("
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "drop the partial": [
         (DEPTH, "if state.partial is not None:\n            values", "if 0:\n            values"),
-        (DEPTH, PARTIAL, PARTIAL.replace("custom_ops.merge_partial(", "out[i]\n        (")),
+        (DEPTH, PARTIAL, PARTIAL.replace("return ", "return out[i] if True else ")),
     ],
     "addition instead of replacement": [
         (MODEL, "h = self.router.step(state, j,", "h = h + self.router.step(state, j,"),
@@ -142,9 +142,10 @@ def _run_subset(tree: Path) -> tuple[str | None, float]:
         p = subprocess.run(cmd, cwd=tree, env=e, capture_output=True, text=True)
         if p.returncode != 0:
             m = re.search(r"^FAILED (\S+)", p.stdout, re.M)
-            return (m.group(1) if m else f"pytest exit {p.returncode}: {p.stdout[-300:]}"), (
-                time.perf_counter() - t0
-            )
+            if m is None:  # a collection or usage error: the mutant is broken, not killed
+                tail = p.stdout.strip().splitlines()[-1:] or [""]
+                raise SystemExit(f"pytest exit {p.returncode} without a failed test: {tail[0]}")
+            return m.group(1), time.perf_counter() - t0
     return None, time.perf_counter() - t0
 
 
