@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     tok_path = Path(ns.tokenizer) if ns.tokenizer else (default[1] if default else None)
     if jsonl is None or tok_path is None:
         raise SystemExit("error: no held-out text: build the corpus (make data) or --val-jsonl")
-    longest = max(max(factors) * ns.train_len + 1, 2 * ns.span + max(gaps))
+    longest = max(max(factors) * ns.train_len, 2 * ns.span + max(gaps) - 1)  # model inputs
     tok = Tokenizer.from_file(str(tok_path))
     texts = [json.loads(line)["text"] for line in jsonl.read_text().splitlines() if line]
     all_spans = function_spans(texts, lambda s: tok.encode(s).ids, ns.span)
