@@ -21,8 +21,9 @@ several learning rates (``cpu_default_*_lr*``), ``sweep.md`` (and ``sweep_best_l
 each model at its best rate with the paired difference to the baseline at ITS best rate.
 ``--decode FILE`` (from ``python -m benchmarks.decode --json``) and ``--longctx FILE``
 (``longctx.json`` of ``python -m titan_lrattnres.longctx``) add their columns: decode latency
-per token over the baseline (batch 1 and 8), loss in the last quarter of a 4x-training-length
-input and the copy probe's second-occurrence loss at the longest gap, each minus the baseline's.
+per token over the baseline (batch 1 and 8; per model), and per trained run the loss in the last
+quarter of a 4x-training-length input minus its loss at 1x (extrapolation) and the copy probe's
+gain (first minus second occurrence loss) at the longest gap.
 """
 
 from __future__ import annotations
@@ -215,20 +216,19 @@ def attach_extras(rows: list[dict], decode: dict | None, longctx: dict | None) -
         for r in rows:
             ratios = by_key.get(model_key(r["variant"], r["blocks"], r["rank"]), {})
             r["decode_ratio_b1"], r["decode_ratio_b8"] = ratios.get("1"), ratios.get("8")
-    if longctx:
-        by_key = {}
+    if longctx:  # per trained run (matched by its folder name = config)
+        by_run = {}
         for run in longctx["runs"].values():
-            a = run["model_args"]
-            vs = run.get("vs_baseline") or {}
-            far = max(vs.get("loss_by_position", {}) or [None], key=lambda f: int(f or 0))
-            tail = vs["loss_by_position"][far][-(len(vs["loss_by_position"][far]) // 4 or 1) :]
-            gaps = vs.get("copy_second_loss", {})
-            by_key[model_key(a["variant"], a.get("blocks"), a.get("rank"))] = {
-                "long_loss_delta": sum(tail) / len(tail),
-                "copy_delta": gaps[max(gaps, key=int)] if gaps else None,
+            pos, probe = run["loss_by_position"], run["copy_probe"]
+            one, far = pos["1"]["buckets"], pos[max(pos, key=int)]["buckets"]
+            tail = far[-(len(far) // 4 or 1) :]
+            gap = probe[max(probe, key=int)]
+            by_run[Path(run["run"]).name] = {
+                "long_degradation": sum(tail) / len(tail) - sum(one) / len(one),
+                "copy_gain": gap["first_loss"] - gap["second_loss"],
             }
         for r in rows:
-            r.update(by_key.get(model_key(r["variant"], r["blocks"], r["rank"]), {}))
+            r.update(by_run.get(r["config"], {}))
 
 
 def label(row: dict) -> str:
@@ -254,8 +254,8 @@ def markdown_table(rows: list[dict]) -> str:
         for k, h, f in (
             ("decode_ratio_b1", "decode × base B=1", ".3f"),
             ("decode_ratio_b8", "decode × base B=8", ".3f"),
-            ("long_loss_delta", "Δ loss, last ¼ of 4×T", "+.3f"),
-            ("copy_delta", "Δ copy loss, longest gap", "+.3f"),
+            ("long_degradation", "loss last ¼ of 4×T − 1×T", "+.3f"),
+            ("copy_gain", "copy gain, longest gap", "+.3f"),
         )
         if any(r.get(k) is not None for r in rows)
     ]

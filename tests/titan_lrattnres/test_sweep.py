@@ -140,14 +140,17 @@ def test_best_learning_rate_table_and_extra_columns(tmp_path):
         }
     }  # noqa: E501
     longctx = {"runs": {"sliced N=4 r=32": {
-        "model_args": {"variant": "sliced", "blocks": 4, "rank": 32},
-        "vs_baseline": {"loss_by_position": {"1": [0.0], "4": [0.0, 0.0, 0.0, -0.2]},
-                        "copy_second_loss": {"0": -0.1, "896": -0.5}}}}}  # fmt: skip
+        "run": "runs/sweep/cpu_default_sliced",
+        "loss_by_position": {"1": {"buckets": [5.0, 5.0]},
+                             "4": {"buckets": [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.4]}},
+        "copy_probe": {"0": {"first_loss": 5.0, "second_loss": 4.0},
+                       "896": {"first_loss": 5.0, "second_loss": 4.5}}}}}  # fmt: skip
     sweep.write_report(rows, tmp_path, decode, longctx)
     by = {r["config"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
     assert by["cpu_default_sliced"]["decode_ratio_b1"] == 1.2
-    assert by["cpu_default_sliced"]["long_loss_delta"] == pytest.approx(-0.2)
-    assert by["cpu_default_sliced"]["copy_delta"] == pytest.approx(-0.5)
+    assert by["cpu_default_sliced"]["long_degradation"] == pytest.approx(0.2)  # last 2 of 8
+    assert by["cpu_default_sliced"]["copy_gain"] == pytest.approx(0.5)  # at the longest gap
+    assert "copy_gain" not in by["cpu_default_sliced_lr1e-2"]  # another trained run
     md = (tmp_path / "sweep.md").read_text()
     assert "## Each model at its best learning rate" in md and "decode × base B=1" in md
     assert len(json.loads((tmp_path / "sweep_best_lr.json").read_text())) == 2
