@@ -328,7 +328,7 @@ def main(argv=None) -> int:
     batches = token_batches(ns.tokens, ns.batch, ns.seq_len, vocab, tokens=flat, seed=ns.seed)
     prompted = None
     if ns.generated:
-        prompted = summarise(analyse(model, batches)[0])
+        prompted = analyse(model, batches)[1]
         batches = generated_batches(model, batches, ns.prompt_len, ns.temperature, ns.seed)
         data = (
             f"the model's own samples (temperature {ns.temperature}, {ns.prompt_len}-token "

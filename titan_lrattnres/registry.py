@@ -106,8 +106,8 @@ def build_model_config(
             f"give blocks (a count, got {blocks!r}) or block_layers (a size in layers, got "
             f"{block_layers!r}), not both"
         )
-    blocks = DEFAULT_BLOCKS if blocks is UNSET and block_layers is None else blocks
-    blocks = None if blocks is UNSET else blocks
+    if blocks is UNSET:
+        blocks = DEFAULT_BLOCKS if block_layers is None else None
     if variant == "baseline":  # no routing: blocks and rank do not apply
         blocks = block_layers = None
     elif blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
