@@ -135,13 +135,11 @@ class LRAttnResModel(Decoder):
                     "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
                     "has no CPU backward, so CP cannot be tested here; README 'Parallelism'"
                 )
-            for name in ("pipeline_parallel",):
-                degree = getattr(parallelism, f"{name}_degree")
-                if degree > 1:
-                    raise NotImplementedError(
-                        f"LR-AttnRes supports FSDP / HSDP / TP only; parallelism.{name}_degree="
-                        f"{degree} is not supported (set it to 1)"
-                    )
+            if (degree := parallelism.pipeline_parallel_degree) > 1:
+                raise NotImplementedError(
+                    "LR-AttnRes supports FSDP / HSDP / TP only; parallelism."
+                    f"pipeline_parallel_degree={degree} is not supported (set it to 1)"
+                )
             from titan_lrattnres.sharding import set_sharding_config, set_tensor_parallel
 
             tp = parallelism.tensor_parallel_degree
