@@ -104,7 +104,7 @@ def recipe_param_groups(
         kwargs = {"lr": adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         return ParamGroup(pattern=pattern, optimizer_name="AdamW", optimizer_kwargs=kwargs, **extra)
 
-    groups = [adamw(r"router\.query_bank")] if variant != "baseline" else []
+    groups = [adamw(r"router\.query_")] if variant != "baseline" else []
     groups += [
         adamw(r"tok_embeddings\."),
         adamw(r"lm_head\."),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import DebugConfig
@@ -19,6 +19,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 
 from titan_lrattnres.data import register_datasets, tokenizer_dir
 from titan_lrattnres.loader import GlobalOrderDataLoader
+from titan_lrattnres.optimizers import MuonOptimizersContainer
 from titan_lrattnres.registry import model_registry
 from titan_lrattnres.trainer import EndValidator, LRAttnResTrainer
 
@@ -34,8 +35,8 @@ def param_groups(
     lr_query: float,
     weight_decay: float = 0.1,
     implementation: str = "fused",
-) -> OptimizersContainer.Config:
-    """AdamW with separate groups: queries (``router.query_bank``), embeddings and head get
+) -> MuonOptimizersContainer.Config:
+    """AdamW with separate groups: queries (``router.query_<t>``), embeddings and head get
     their own lr and no weight decay; every other parameter (matrices) is the last group."""
 
     def adamw(lr_: float, wd: float) -> dict:
@@ -45,7 +46,7 @@ def param_groups(
     if variant != "baseline":
         groups.append(
             ParamGroupConfig(
-                pattern=r"router\.query_bank",
+                pattern=r"router\.query_",
                 optimizer_name="AdamW",
                 optimizer_kwargs=adamw(lr_query, 0.0),
             )
@@ -63,7 +64,9 @@ def param_groups(
             pattern=r".*", optimizer_name="AdamW", optimizer_kwargs=adamw(lr, weight_decay)
         ),
     ]
-    return OptimizersContainer.Config(param_groups=groups, implementation=implementation)
+    # the project's container: first match wins as in torchtitan's, and a pipeline stage
+    # without embeddings, head or queries skips their groups
+    return MuonOptimizersContainer.Config(param_groups=groups, implementation=implementation)
 
 
 def make_config(
