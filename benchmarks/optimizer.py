@@ -62,7 +62,7 @@ def build_optimiser(name: str, model):
 
 
 def _muon_name(name: str) -> bool:
-    return not any(s in name for s in ("tok_embeddings", "lm_head", "query_bank"))
+    return not any(s in name for s in ("tok_embeddings", "lm_head", "router.query_"))
 
 
 class _Both:

@@ -3,8 +3,11 @@
 Design: the transformer's 2L sublayers are the units that torchtitan compiles, checkpoints and
 shards (``model.layers``); every depth read runs between them in the root forward, so each
 compiled graph has one fixed signature (one graph per sublayer kind, no recompiles) and the read
-can be a hand-fused op. The queries of all read sites live in one root parameter
-``query_bank [2L, r]`` (fp32 master weights), gathered once per step by the root FSDP unit.
+can be a hand-fused op. The query of read site t is the root parameter ``router.query_<t>``
+(``[r]``, fp32 master weights; t = 1..2L), gathered once per step by the root FSDP unit: one
+parameter per site, so a pipeline stage owns exactly the queries of its own sites and a
+checkpoint written by any split keeps every one (``titan_lrattnres.pipeline``; checkpoints with
+the earlier ``router.query_bank [2L, r]`` convert with ``titan_lrattnres.convert``).
 
 Bookkeeping per sequence (``DepthState``): the embedding and its key, the completed sources
 (block sums, or single outputs for Full), and the running partial of the current block, which
@@ -31,6 +34,11 @@ from custom_ops import reference
 from custom_ops.schedule import schedule_ends
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
+
+
+def query_name(t: int) -> str:
+    """Parameter name of read site t's query (``router.<name>``)."""
+    return f"query_{t}"
 
 
 @dataclass
@@ -73,9 +81,11 @@ class DepthRouter(Module):
         self.block_layers = config.block_layers
         self.ends = schedule_ends(m, config.blocks, config.block_layers)
         self._end_set = frozenset(self.ends)
-        if self.variant != "baseline":
-            # Row t-1 is the query of read site t (sites 1..M; site 0 is the identity).
-            self.query_bank = nn.Parameter(torch.zeros(m, config.rank, dtype=torch.float32))
+        if self.variant != "baseline":  # read sites 1..M (site 0 is the identity)
+            for t in range(1, m + 1):
+                q = nn.Parameter(torch.zeros(config.rank, dtype=torch.float32))
+                self.register_parameter(query_name(t), q)
+        self.site_stop = m + 1  # one past this module's last read site (a pipeline stage's)
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None
         )
@@ -115,7 +125,11 @@ class DepthRouter(Module):
         return self._read_two_phase(state, j)
 
     def query(self, t: int) -> torch.Tensor:
-        return self.query_bank[t - 1]
+        return getattr(self, query_name(t))
+
+    def query_params(self) -> list[nn.Parameter]:
+        """The queries this module holds, in site order (a pipeline stage: its own sites)."""
+        return [p for name, p in self.named_parameters(recurse=False) if name.startswith("query_")]
 
     def sources(self, state: DepthState) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Values and (projected) keys of the current source set; keys None = sliced tails."""
@@ -136,14 +150,14 @@ class DepthRouter(Module):
 
     def _phase1(self, state: DepthState, t: int) -> None:
         """At a completion point t: phase 1 for sites t..(next end - 1), t = 0 excluded."""
-        nxt = next((e for e in self.ends if e > t), self.num_sublayers + 1)
+        nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
         first = max(t, 1)
         if nxt <= first:
             state.phase1 = None
             return
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys] if self.projected else None
-        queries = self.query_bank[first - 1 : nxt - 1]
+        queries = torch.stack([self.query(site) for site in range(first, nxt)])
         out, lse = custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
         # unbind, not out[i]: autograd then stacks the sites' gradients once, where each
         # select's backward would zero-fill and add a whole [c, ..., d] buffer per site

@@ -10,7 +10,7 @@ Two checkpoint formats are accepted by :func:`load_model`:
   ``model_args.json`` (else the trainer's ``summary.json``, which records flavor, variant,
   blocks and rank) found in the checkpoint folder or up to three folders above it.
   torchtitan's checkpointer flattens the model state to the top level of the DCP state
-  (``layers.0.attention.wo.weight``, ``router.query_bank``); a ``model.``-prefixed layout, as
+  (``layers.0.attention.wo.weight``, ``router.query_1``); a ``model.``-prefixed layout, as
   ``dcp.save({"model": model.state_dict()})`` writes it, is read too.
 
 The model arguments are the keyword arguments of
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 import custom_ops  # noqa: F401  (registers the lrattnres:: ops before any program is loaded)
-from titan_lrattnres import integrity
+from titan_lrattnres import convert, integrity
 from titan_lrattnres.registry import build_model_config
 
 FORMAT = "lrattnres-safetensors"
@@ -183,9 +183,11 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     integrity.check(folder)
     reader = FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
-    own = model.state_dict()
-    prefix = "" if all(k in stored for k in own) else "model."
-    missing = [k for k in own if prefix + k not in stored]
+    own = list(model.state_dict())
+    old = convert.is_old_layout(stored)  # one-bank queries: read the bank, split it per site
+    read = [k for k in own if not k.startswith("router.query_")] + [convert.OLD] if old else own
+    prefix = "" if all(k in stored for k in read) else "model."
+    missing = [k for k in read if prefix + k not in stored]
     if missing:
         raise KeyError(
             f"{folder}: DCP checkpoint lacks model keys {missing[:5]} "
@@ -194,7 +196,7 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     # Load in the stored dtype (a last-step export may be bf16), then cast into the model.
     state = {
         prefix + k: torch.empty(stored[prefix + k].size, dtype=stored[prefix + k].properties.dtype)
-        for k in own
+        for k in read
     }
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
         warnings.filterwarnings("ignore", message=".*single process.*", category=UserWarning)
@@ -205,7 +207,10 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
             raise integrity.CheckpointIntegrityError(
                 f"checkpoint {folder} cannot be read ({integrity.unpickle_error(cause)})"
             ) from e
-    model.load_state_dict({k: state[prefix + k] for k in own}, strict=True)
+    state = {k.removeprefix(prefix): v for k, v in state.items()}
+    if old:
+        state = convert.split_queries(state, sites=state[convert.OLD].shape[0])
+    model.load_state_dict({k: state[k] for k in own}, strict=True)
 
 
 # -- the one entry point ----------------------------------------------------------------------

@@ -6,7 +6,7 @@
 - :func:`recipe_param_groups`: the paper's routing. Muon (lr 1e-3, cautious wd 0.1) for every
   >= 2-D weight but the embedding and the LM head -- the fused ``[W^O; W^K]`` projections and
   ``router.embedding_key`` included; AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the embedding,
-  the LM head, the depth queries (``router.query_bank``, 2-D but AdamW in the paper) and any 1-D
+  the LM head, the depth queries (``router.query_<t>``, AdamW in the paper) and any 1-D
   parameter.
 - :class:`MomentumLRSchedulers`: torchtitan's LR schedule (the same lambda for both optimisers,
   as in the paper) plus Muon's momentum schedule: warmup 0.85 -> 0.95 over the first steps,

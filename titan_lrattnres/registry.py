@@ -22,7 +22,7 @@ from torchtitan.models.common.config_utils import (
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.protocols.model_spec import ModelSpec
 
-from titan_lrattnres.depth import BACKENDS, DepthRouter
+from titan_lrattnres.depth import BACKENDS, DepthRouter, query_name
 from titan_lrattnres.flops import VARIANTS
 from titan_lrattnres.model import LRAttnResModel, Sublayer, VocabHead
 
@@ -56,7 +56,6 @@ FLAVORS: dict[str, Flavor] = {
 }
 
 _INIT = {"weight": partial(nn.init.normal_, std=0.02)}
-_ZERO = {"query_bank": nn.init.zeros_}
 # Embedding and head rows are padded to a multiple of this (the padded logits are masked), so
 # every tensor-parallel degree dividing it (1, 2, 4, ..., 64) shards the vocabulary evenly and a
 # checkpoint has the same shapes under every layout. cl100k: 100,277 -> 100,288 rows.
@@ -177,7 +176,7 @@ def build_model_config(
         block_layers=block_layers,
         eps=eps,
         backend=depth_backend,
-        param_init=_ZERO,
+        param_init={query_name(t): nn.init.zeros_ for t in range(1, m + 1)},  # uniform reads
         embedding_key=(
             Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
             if variant == "projected"

@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu.apply()  # before torchtitan is imported (P1)
     from torchtitan.tools.logging import init_logger
 
+    from titan_lrattnres.convert import OldLayoutError
     from titan_lrattnres.data import CorpusError
     from titan_lrattnres.integrity import CheckpointIntegrityError
     from titan_lrattnres.trainer import CheckpointMismatchError, NonFiniteLossError
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointMismatchError,
         CheckpointIntegrityError,
         NonFiniteLossError,
+        OldLayoutError,
     ) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

@@ -20,7 +20,7 @@ from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_lrattnres import integrity
+from titan_lrattnres import convert, integrity
 
 FINGERPRINT_FILE = "model_fingerprint.json"
 
@@ -229,6 +229,8 @@ class LRAttnResTrainer(Trainer):
             # HF safetensors are no pickle and carry no record: only DCP folders are checked
             if not from_hf and Path(checkpoint_id) != resumed:
                 integrity.check(checkpoint_id, distributed=distributed)
+            if not from_hf:
+                convert.refuse_old_layout(checkpoint_id)
             dcp_load(state_dict, checkpoint_id, from_hf=from_hf, from_quantized=from_quantized)
 
         ckpt.load, ckpt.dcp_load = verified_load, verified_dcp_load

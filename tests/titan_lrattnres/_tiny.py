@@ -19,5 +19,5 @@ def trained(variant, blocks, depth_backend="reference", steps=3, seed=0):
         loss.backward()
         opt.step()
     if variant != "baseline" and steps:
-        assert model.router.query_bank.abs().max() > 0  # routing is no longer uniform
+        assert any(q.abs().max() > 0 for q in model.router.query_params())  # no longer uniform
     return model.eval(), args

@@ -21,12 +21,12 @@ def build():
         torch.manual_seed(seed)
         model = model_registry(flavor, **kwargs).model.build()  # the ModelSpec users get
         model.init_states(buffer_device=torch.device("cpu"))
-        if randomize_queries and hasattr(model.router, "query_bank"):
+        if randomize_queries:
             # zero-initialised queries make every read a plain mean; test real routing too.
             # std 1.5/sqrt(r) keeps logits O(1) (|RMSNorm(k)|² = r): sharp but well-conditioned.
-            bank = model.router.query_bank
             with torch.no_grad():
-                bank.normal_(0, 1.5 / bank.shape[-1] ** 0.5)
+                for q in model.router.query_params():
+                    q.normal_(0, 1.5 / q.shape[-1] ** 0.5)
         for p in model.parameters():
             p.data = p.data.to(dtype)
         return model

@@ -22,10 +22,8 @@ def _model(variant, blocks, queries="random", seed=0):
     args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16)
     model = build_model(args, depth_backend="reference")
     with torch.no_grad():
-        if queries == "random":
-            model.router.query_bank.normal_(0, 2.0)
-        else:
-            model.router.query_bank.zero_()
+        for q in model.router.query_params():
+            q.normal_(0, 2.0) if queries == "random" else q.zero_()
     return model, args
 
 

@@ -64,7 +64,7 @@ def slow_forward(model, tokens, n_blocks):
         else:
             r = router.rank
             ks = [v[..., -r:] for v in values]
-        q = router.query_bank[j - 1].double()
+        q = router.query(j).double()
         logits = torch.stack([(rms(k) * q).sum(-1) for k in ks])
         alpha = torch.softmax(logits, 0)
         h = sum(a.unsqueeze(-1) * v.double() for a, v in zip(alpha, values)).to(e.dtype)
@@ -131,7 +131,7 @@ def test_block_sums_match_slow_loop(build, cfg, backend, seed):
 
 def test_zero_queries_are_a_uniform_mean_not_the_residual_sum(build):
     model = build(variant="sliced", blocks=None, rank=8, randomize_queries=False)
-    assert torch.count_nonzero(model.router.query_bank) == 0
+    assert all(torch.count_nonzero(q) == 0 for q in model.router.query_params())
     tokens = torch.randint(0, 4096, (1, 5))
     e = model.tok_embeddings(tokens)
     o1 = model.layers["0"](e, None, None)
@@ -211,7 +211,7 @@ def test_forward_backward_finite(build, variant, dtype):
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
     if variant != "baseline":
-        assert model.router.query_bank.grad.abs().sum() > 0
+        assert all(q.grad.abs().sum() > 0 for q in model.router.query_params())
     if variant == "projected":
         assert model.layers["1"].feed_forward.w2.weight.grad[-16:].abs().sum() > 0
 
@@ -252,9 +252,10 @@ def test_projected_keys_are_normalised_at_emission(build):
 
 def test_queries_are_fp32_zero_initialised(build):
     model = build(variant="projected", rank=8, blocks=2, randomize_queries=False)
-    bank = model.router.query_bank
-    assert bank.dtype == torch.float32 and bank.shape == (4, 8)
-    assert torch.count_nonzero(bank) == 0
+    queries = dict(model.router.named_parameters(recurse=False))
+    assert list(queries) == ["query_1", "query_2", "query_3", "query_4"]  # one per read site
+    for q in queries.values():
+        assert q.dtype == torch.float32 and q.shape == (8,) and torch.count_nonzero(q) == 0
 
 
 def test_projected_output_projection_is_one_torchtitan_linear(build):

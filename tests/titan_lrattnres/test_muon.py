@@ -111,7 +111,7 @@ def test_routing_follows_the_paper_by_name(variant):
     got = routing(opt)
     adamw = {"tok_embeddings.weight", "lm_head.weight"}
     if variant != "baseline":
-        adamw.add("router.query_bank")
+        adamw |= {f"router.query_{t}" for t in range(1, 5)}  # one per read site (M = 4)
     muon = set()
     for layer in (0, 2):
         muon |= {

@@ -123,7 +123,9 @@ def test_router_parameters_on_the_tp_axis(sp, axis_type):
     m = c.model_spec.model
     m.update_from_config(config=c)
     want = {"R": spmd.R, "I": spmd.I}[axis_type]
-    for cfg, name in ((m.router, "query_bank"), (m.router.embedding_key, "weight")):
+    queries = [(m.router, f"query_{t}") for t in range(1, 5)]
+    assert len(m.router.sharding_config.state_shardings) == 4  # every read site's query
+    for cfg, name in (*queries, (m.router.embedding_key, "weight")):
         layout = cfg.sharding_config.state_shardings[name]
         assert layout.axis_types[MeshAxisName.TP] is want
 
