@@ -148,10 +148,11 @@ class DepthRouter(Module):
             keys = reference.sliced_keys(values, self.rank)
         return reference.depth_read(values, keys, self.query(t), self.eps)
 
-    def _phase1(self, state: DepthState, t: int) -> None:
-        """At a completion point t: phase 1 for sites t..(next end - 1), t = 0 excluded."""
+    def _phase1(self, state: DepthState, t: int, first: int | None = None) -> None:
+        """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
+        ``first`` = t, site 0 excluded), up to this module's last site."""
         nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
-        first = max(t, 1)
+        first = max(t, 1) if first is None else first
         if nxt <= first:
             state.phase1 = None
             return

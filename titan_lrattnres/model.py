@@ -6,7 +6,8 @@ apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced
 loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
 through the final RMSNorm and the LM head (SPEC §1). Parallelism: FSDP2 / HSDP, tensor parallel
 with or without sequence parallel, and both together (layouts: ``titan_lrattnres.sharding``);
-context and pipeline parallel are refused in ``LRAttnResModel.Config.update_from_config``.
+pipeline parallel (stages, the cross-stage source cache: ``titan_lrattnres.pipeline``); context
+parallel is refused in ``LRAttnResModel.Config.update_from_config``.
 """
 
 from __future__ import annotations
@@ -135,11 +136,10 @@ class LRAttnResModel(Decoder):
                     "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
                     "has no CPU backward, so CP cannot be tested here; README 'Parallelism'"
                 )
-            if (degree := parallelism.pipeline_parallel_degree) > 1:
-                raise NotImplementedError(
-                    "LR-AttnRes supports FSDP / HSDP / TP only; parallelism."
-                    f"pipeline_parallel_degree={degree} is not supported (set it to 1)"
-                )
+            if parallelism.pipeline_parallel_degree > 1:
+                from titan_lrattnres.pipeline import check_schedule
+
+                check_schedule(parallelism.pipeline_parallel_schedule)
             from titan_lrattnres.sharding import set_sharding_config, set_tensor_parallel
 
             tp = parallelism.tensor_parallel_degree

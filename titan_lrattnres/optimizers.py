@@ -41,7 +41,8 @@ class ParamGroup(ParamGroupConfig):
 
 class MuonOptimizersContainer(OptimizersContainer):
     """``OptimizersContainer`` with ``"Muon"`` and :class:`ParamGroup` routing (first match wins,
-    as in torchtitan; a group that matches nothing raises unless ``optional``)."""
+    as in torchtitan; a group that matches nothing raises unless ``optional`` or the model is a
+    pipeline stage)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(OptimizersContainer.Config):
@@ -74,7 +75,9 @@ class MuonOptimizersContainer(OptimizersContainer):
                     names.append(canonical_fqn(name))
                     claimed.add(name)
             if not params:
-                if getattr(pg, "optional", False):
+                # a pipeline stage (titan_lrattnres.pipeline) lacks the embedding, head or other
+                # stages' queries: their groups are another stage's
+                if getattr(pg, "optional", False) or getattr(model, "plan", None) is not None:
                     continue
                 raise ValueError(
                     f"Optimizer param_groups pattern '{pg.pattern}' matched no parameters"

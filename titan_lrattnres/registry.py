@@ -11,7 +11,6 @@ from functools import partial
 
 import torch
 from torch import nn
-from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.common.config_utils import (
@@ -25,6 +24,7 @@ from torchtitan.protocols.model_spec import ModelSpec
 from titan_lrattnres.depth import BACKENDS, DepthRouter, query_name
 from titan_lrattnres.flops import VARIANTS
 from titan_lrattnres.model import LRAttnResModel, Sublayer, VocabHead
+from titan_lrattnres.pipeline import pipeline_lrattnres
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,7 @@ def model_registry(flavor: str, *, converters=None, **kwargs) -> ModelSpec:
         flavor=flavor,
         model=config,
         parallelize_fn=parallelize_llama,
-        pipelining_fn=pipeline_llm,
+        pipelining_fn=pipeline_lrattnres,
         post_optimizer_build_fn=None,
         state_dict_adapter=None,
     )

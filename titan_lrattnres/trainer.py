@@ -171,8 +171,18 @@ class LRAttnResTrainer(Trainer):
 
     def forward_backward_step(self, **kwargs) -> torch.Tensor:
         loss = super().forward_backward_step(**kwargs)
+        if self.parallel_dims.pp_enabled:
+            loss = self._pipeline_loss(loss)
         self._last_loss = loss.detach()
         return loss
+
+    def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss of the rank holding the last stage, on every pipeline rank (torchtitan
+        returns -1 elsewhere): the log, the history and the finite-loss guard of rank 0 see it."""
+        mine = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros(())
+        mine = mine.to(device=self.device, dtype=torch.float32, copy=True)
+        dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())
+        return mine
 
     def _wrap_checkpointer(self) -> None:
         """Around torchtitan's checkpointer: the finite-loss guard before a save, and

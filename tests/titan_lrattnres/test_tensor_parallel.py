@@ -1,36 +1,32 @@
 """Tensor (+ sequence) parallel: vocabulary padding, per-module layouts and refusals (fast), and
 parity with one process on CPU over gloo (slow).
 
-Parity runs (``tp_worker.py``: ``cpu_smoke`` with another model, 3 steps, ``--debug.seed 0
---debug.deterministic``) all start from a seed checkpoint of their model written by one process
-(``--checkpoint.create_seed_checkpoint``). Checked against the one-process run from the same seed:
-loss and gradient-clipping norm at every step and every parameter's step-1 gradient within
-``RTOL`` (measured: <= 1.2e-7 loss, <= 3e-7 norm, <= 1e-6 gradients). After 3 AdamW steps the
-parameters are not compared with one process: AdamW turns fp32 rounding of a gradient near its
-eps into a visible step (measured: one embedding entry 8.8e-4 apart). The checkpoint a TP run
-saves is loaded in one process (``inference.load_model``): every parameter bitwise the TP run's,
-logits within ``RTOL`` of the TP model's own (measured: 3.5e-7; the matmuls are split).
-"""
+Parity runs (``parallel_worker.py`` via ``parallel_runs.py``: ``cpu_smoke`` with another model, 3
+steps, ``--debug.seed 0 --debug.deterministic``) all start from a seed checkpoint of their model
+written by one process (``--checkpoint.create_seed_checkpoint``). Checked against the one-process
+run from the same seed: loss and gradient-clipping norm at every step and every parameter's step-1
+gradient within ``RTOL`` (measured: <= 1.2e-7 loss, <= 3e-7 norm, <= 1e-6 gradients). After 3 AdamW
+steps the parameters are not compared with one process: AdamW turns fp32 rounding of a gradient
+near its eps into a visible step (measured: one embedding entry 8.8e-4 apart). The checkpoint a TP
+run saves is loaded in one process (``inference.load_model``): every parameter bitwise the TP
+run's, logits within ``RTOL`` of the TP model's own (measured: 3.5e-7; the matmuls are split)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from titan_lrattnres import inference
+from tests.titan_lrattnres.parallel_runs import (
+    Runs,
+    _rel,
+    assert_checkpoint_loads_in_one_process,
+    assert_parity,
+)
 from titan_lrattnres.model import PAD_LOGIT
 from titan_lrattnres.registry import build_model_config
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).with_name("tp_worker.py")
-RTOL = 1e-5
-RUN = ["--training.steps", "3", "--debug.seed", "0", "--debug.deterministic"]
-RUN += ["--validator.no-enable"]
 TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 NO_SP = ["--parallelism.no-enable_sequence_parallel"]
 
@@ -163,82 +159,9 @@ def test_context_parallel_is_refused_with_the_reason():
 
 
 # -- slow: multi-process parity ---------------------------------------------------------------
-class Runs:
-    """Seed checkpoints and one-process references, made once per model and reused."""
-
-    def __init__(self, env, root: Path):
-        self.env, self.root = env, root
-        self.seeds: dict[str, Path] = {}
-        self.refs: dict[str, Path] = {}
-
-    def launch(self, model: str, out: Path, args: list[str], nproc: int = 1) -> Path:
-        cmd = [sys.executable]
-        if nproc > 1:
-            cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
-            cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-        cmd += [str(WORKER), model, "--dump_folder", str(out), *args]
-        e = dict(self.env, TP_DUMP=str(out / "dump.pt"), TP_GRADS=str(out / "grads.pt"))
-        p = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True, timeout=900)
-        assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
-        return out
-
-    def seed(self, model: str) -> Path:
-        if model not in self.seeds:
-            out = self.root / f"seed_{model}"
-            args = ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
-            self.launch(model, out, args)
-            self.seeds[model] = out / "checkpoint" / "step-0"
-        return self.seeds[model]
-
-    def run(self, model: str, name: str, args: list[str], nproc: int = 1) -> Path:
-        load = ["--checkpoint.initial_load_path", str(self.seed(model))]
-        return self.launch(model, self.root / name, [*RUN, *load, *args], nproc)
-
-    def ref(self, model: str) -> Path:
-        if model not in self.refs:
-            self.refs[model] = self.run(model, f"ref_{model}", [])
-        return self.refs[model]
-
-
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
     return Runs(env, tmp_path_factory.mktemp("tp_runs"))
-
-
-def _history(run: Path) -> list[dict]:
-    return json.loads((run / "loss_history.json").read_text())
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def assert_parity(run: Path, ref: Path) -> None:
-    got, want = _history(run), _history(ref)
-    assert [h["step"] for h in got] == [h["step"] for h in want] == [1, 2, 3]
-    for g, w in zip(got, want, strict=True):
-        for key in ("loss", "grad_norm"):
-            assert g[key] == pytest.approx(w[key], rel=RTOL, abs=0), (key, g, w)
-    grads, ref_grads = torch.load(run / "grads.pt"), torch.load(ref / "grads.pt")
-    assert grads.keys() == ref_grads.keys()
-    for name, g in grads.items():
-        if ref_grads[name].norm() > 0:
-            assert _rel(g, ref_grads[name]) < RTOL, name
-        else:  # e.g. the embedding key's at step 1 (zero queries: a uniform read)
-            assert g.norm() == 0, name
-
-
-def assert_checkpoint_loads_in_one_process(run: Path) -> None:
-    """The TP run's final checkpoint in one process: the same parameters, the same logits."""
-    dump = torch.load(run / "dump.pt")
-    model, _ = inference.load_model(run, model_args=dump["model_args"])
-    for name, p in model.named_parameters():
-        assert torch.equal(p, dump["params"][name]), name
-    with torch.no_grad():
-        logits = model(dump["tokens"])
-    vocab = model.vocab_size
-    assert _rel(logits[..., :vocab], dump["logits"][..., :vocab]) < RTOL
-    assert torch.equal(logits.argmax(-1), dump["logits"].argmax(-1))
 
 
 CASES = {

@@ -1,15 +1,16 @@
-"""Launcher for the tensor-parallel tests: ``python tp_worker.py MODEL [trainer CLI ...]`` (also
-under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke`` with the model ``MODEL``
-(``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``, ``attnres_full``,
-``sliced_v1000``) and two test hooks:
+"""Launcher for the tensor- and pipeline-parallel tests: ``python parallel_worker.py MODEL
+[trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke`` with the
+model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
+``attnres_full``, ``sliced_v1000``) and two test hooks:
 
 - the gradient-clipping norm is computed in float64: torch's fp32 ``vector_norm`` on CPU
   accumulates sequentially (measured: 8e-5 relative error on the head's gradient of a
   ``cpu_smoke`` step), more than the parity tolerance, and its error depends on the shard sizes;
-- with ``TP_DUMP=FILE``, after training rank 0 writes the full parameters and the logits of
-  a fixed batch (``tokens``) as computed by the (parallel) model;
+- with ``TP_DUMP=FILE``, after training rank 0 writes the full parameters (of every rank's model
+  parts) and the logits of a fixed batch (``tokens``) as computed by the (parallel) model: the
+  vocabulary shards gathered under TP, through the pipeline schedule under PP;
 - with ``TP_GRADS=FILE``, rank 0 writes every parameter's full gradient of step 1 (before
-  clipping).
+  clipping), gathered from every rank.
 """
 
 from __future__ import annotations
@@ -47,16 +48,59 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def _gather(mine: dict) -> dict:
+    """The union of every rank's dict (pipeline stages hold different parameters)."""
+    if not dist.is_initialized():
+        return mine
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
+    """``tokens``' logits through the pipeline schedule (one row per microbatch, cycled)."""
+    last = trainer.model_parts[-1]
+    n = trainer.num_pipeline_parallel_microbatches
+    if trainer.pp_has_last_stage:
+        last._skip_lm_head = False
+    schedule = trainer.pp_schedule
+    loss_fn, schedule._loss_fn = schedule._loss_fn, None  # outputs only: no targets, no loss
+    first = trainer.pp_has_first_stage
+    try:
+        with trainer.train_context():
+            out = schedule.eval(
+                arg_mbs=[(tokens[i % len(tokens)][None],) for i in range(n)] if first else None,
+                kwarg_mbs=[{} for _ in range(n)],
+            )
+    finally:
+        schedule._loss_fn = loss_fn
+    logits = [out[: len(tokens)].detach().clone()] if trainer.pp_has_last_stage else [None]
+    dist.broadcast_object_list(logits, src=dist.get_world_size() - 1)
+    return logits[0]
+
+
 @torch.no_grad()
 def dump(trainer, path: str) -> None:
+    params = _gather({n: _full(p) for m in trainer.model_parts for n, p in m.named_parameters()})
+    if trainer.parallel_dims.pp_enabled:
+        logits = _pipeline_logits(trainer, DUMP_TOKENS)
+    else:
+        logits = _tp_logits(trainer, DUMP_TOKENS)
+    if int(os.environ.get("RANK", "0")) == 0:
+        args = {"flavor": "debug", **MODEL_ARGS}
+        torch.save(
+            {"params": params, "logits": logits, "tokens": DUMP_TOKENS, "model_args": args}, path
+        )
+
+
+def _tp_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
     model = trainer.model_parts[0]
-    params = {n: _full(p) for n, p in model.named_parameters()}
     skip = model._skip_lm_head
     model._skip_lm_head = True
     # the SPMD mesh (without it no TP collective runs), no type checking: torchtitan's RoPE
     # refuses the untyped positions of a call outside the training step
     with trainer.train_context(), spmd.no_typecheck():
-        logits = _full(model.lm_head(model(DUMP_TOKENS)))
+        logits = _full(model.lm_head(model(tokens)))
     model._skip_lm_head = skip
     tp = trainer.parallel_dims.tp
     if tp > 1:  # each TP rank holds a vocabulary shard of the logits
@@ -64,11 +108,7 @@ def dump(trainer, path: str) -> None:
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=group)
         logits = torch.cat(parts, dim=-1)
-    if int(os.environ.get("RANK", "0")) == 0:
-        args = {"flavor": "debug", **MODEL_ARGS}
-        torch.save(
-            {"params": params, "logits": logits, "tokens": DUMP_TOKENS, "model_args": args}, path
-        )
+    return logits
 
 
 def register(model: str) -> str:
@@ -110,8 +150,8 @@ def main(argv: list[str]) -> int:
 
         def clip_and_dump(params, *args, **kwargs):
             if not os.path.exists(grads):
-                model = tt.Trainer._dump_model
-                full = {n: _full(p.grad) for n, p in model.named_parameters()}
+                parts = tt.Trainer._dump_parts
+                full = _gather({n: _full(p.grad) for m in parts for n, p in m.named_parameters()})
                 if int(os.environ.get("RANK", "0")) == 0:
                     torch.save(full, grads)
                 dist.barrier()
@@ -122,7 +162,7 @@ def main(argv: list[str]) -> int:
 
         def init_and_keep(self, *args, **kwargs):
             init(self, *args, **kwargs)
-            tt.Trainer._dump_model = self.model_parts[0]
+            tt.Trainer._dump_parts = self.model_parts
 
         tt.Trainer.__init__ = init_and_keep
     path = os.environ.get("TP_DUMP")
