@@ -82,17 +82,12 @@ def stage_spans(module_names: list[list[str]], num_sublayers: int) -> list[tuple
     last_stage = len(module_names) - 1
     for s, names in enumerate(module_names):
         layers = []
+        allowed = {"router"} | ({"tok_embeddings"} if s == 0 else set())
+        allowed |= {"norm", "lm_head"} if s == last_stage else set()
         for name in names:
             if name.startswith("layers."):
                 layers.append(int(name.split(".", 1)[1]))
-            elif (
-                name == "tok_embeddings"
-                and s == 0
-                or name in ("norm", "lm_head")
-                and s == last_stage
-            ):
-                continue
-            elif name != "router":
+            elif name not in allowed:
                 raise ValueError(
                     f"pipeline stage {s} lists {name!r}: a stage holds layers.<i> (in order), the "
                     "first also tok_embeddings, the last also norm and lm_head"
@@ -353,6 +348,25 @@ def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, paral
         return out
 
     schedule_._step_microbatches = step_with_cache
+    # torch runs the stages once on the first step to infer shapes, the loss included: a loss
+    # that keeps statistics (titan_lrattnres.zloss) is told to leave those calls out
+    init, losses = getattr(schedule_, "_initialize_pp_stages", None), []
+    loss = kw.get("loss_fn")
+    while loss is not None:  # the loss and the losses it wraps (e.g. ChunkedLossWrapper's)
+        losses.append(loss)
+        loss = getattr(loss, "loss_fn", None)
+    if init is not None:
+
+        def init_stages(*args, **kwargs):
+            for loss in losses:
+                loss.in_shape_inference = True
+            try:
+                return init(*args, **kwargs)
+            finally:
+                for loss in losses:
+                    loss.in_shape_inference = False
+
+        schedule_._initialize_pp_stages = init_stages
     return schedule_, parts, has_first, has_last
 
 

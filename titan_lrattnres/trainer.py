@@ -159,6 +159,8 @@ class LRAttnResTrainer(Trainer):
                 )
 
         def log_val(loss, step, extra_metrics=None):
+            if self.parallel_dims.pp_enabled:  # as for training: the last stage's loss
+                loss = float(self._pipeline_loss(torch.tensor(float(loss))))
             log_validation(loss, step, extra_metrics=extra_metrics)
             self.val_history.append({"step": step, "loss": float(loss)})
 
@@ -178,7 +180,8 @@ class LRAttnResTrainer(Trainer):
 
     def _pipeline_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """The loss of the rank holding the last stage, on every pipeline rank (torchtitan
-        returns -1 elsewhere): the log, the history and the finite-loss guard of rank 0 see it."""
+        reports -1 elsewhere): the log, the history, the summary and the finite-loss guard of
+        rank 0 see it."""
         mine = loss.detach().reshape(()) if self.pp_has_last_stage else torch.zeros(())
         mine = mine.to(device=self.device, dtype=torch.float32, copy=True)
         dist.all_reduce(mine, group=self.parallel_dims.get_mesh("pp").get_group())

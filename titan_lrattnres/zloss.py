@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import CompileConfig
@@ -68,6 +69,8 @@ class ZLossCrossEntropy(BaseLoss):
             raise NotImplementedError("z-loss takes plain local logits (FSDP / HSDP only)")
         ce, z = self.fn(pred, labels)
         z = self.weight * z
+        if getattr(self, "in_shape_inference", False):  # set by titan_lrattnres.pipeline
+            return ce + z, {}  # the schedule's first-step metadata pass: no statistics
         if global_valid_tokens is None:  # validation: CE only; z kept for the report
             n = (labels != IGNORE_INDEX).sum()
             self.val_z = z.detach() if self.val_z is None else self.val_z + z.detach()
@@ -103,11 +106,21 @@ class ZLossMetricsProcessor(MetricsProcessor):
             return dist_utils.dist_sum(x, self.parallel_dims.get_optional_mesh("loss"))
         return float(x.item())
 
+    def _from_last_stage(self, z: float | None) -> float | None:
+        """Under pipeline parallel only the last stage computes the loss: its value on every
+        pipeline rank (all of them log together)."""
+        if not self.parallel_dims.pp_enabled:
+            return z
+        t = torch.tensor([z or 0.0, z is not None], dtype=torch.float64)
+        dist.all_reduce(t, group=self.parallel_dims.get_mesh("pp").get_group())
+        return float(t[0]) if t[1] else None
+
     def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
         loss = _ACTIVE
         extra = dict(extra_metrics or {})
-        if loss is not None and loss.train_z is not None:
-            z = self._global_sum(loss.train_z)
+        train_z = loss.train_z if loss is not None else None
+        z = self._from_last_stage(None if train_z is None else self._global_sum(train_z))
+        if z is not None:
             self.last_z_loss = z
             extra["loss_metrics/z_loss"] = z
             extra["loss_metrics/ce_loss"] = global_avg_loss - z
@@ -117,9 +130,12 @@ class ZLossMetricsProcessor(MetricsProcessor):
     def log_validation(self, loss, step, extra_metrics=None):
         zl = _ACTIVE
         extra = dict(extra_metrics or {})
+        z = None
         if zl is not None and zl.val_z is not None:
             z = self._global_sum(zl.val_z) / self._global_sum(zl.val_tokens)
             zl.val_z = zl.val_tokens = None
+        z = self._from_last_stage(z)
+        if z is not None:
             self.last_val_z_loss = z
             extra["validation_metrics/z_loss"] = z
             extra["validation_metrics/ce_plus_z_loss"] = loss + z

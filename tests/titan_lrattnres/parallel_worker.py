@@ -74,7 +74,9 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
             )
     finally:
         schedule._loss_fn = loss_fn
-    logits = [out[: len(tokens)].detach().clone()] if trainer.pp_has_last_stage else [None]
+    logits = [None]
+    if trainer.pp_has_last_stage:
+        logits = [_gather_vocab(trainer, _full(out[: len(tokens)]))]
     dist.broadcast_object_list(logits, src=dist.get_world_size() - 1)
     return logits[0]
 
@@ -82,15 +84,16 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def dump(trainer, path: str) -> None:
     params = _gather({n: _full(p) for m in trainer.model_parts for n, p in m.named_parameters()})
-    if trainer.parallel_dims.pp_enabled:
-        logits = _pipeline_logits(trainer, DUMP_TOKENS)
+    tokens = DUMP_TOKENS
+    if trainer.parallel_dims.pp_enabled:  # the stages' buffers have the training shapes
+        seq = trainer.config.training.seq_len
+        tokens = torch.arange(2 * seq).reshape(2, seq) * 37 % 1000
+        logits = _pipeline_logits(trainer, tokens)
     else:
-        logits = _tp_logits(trainer, DUMP_TOKENS)
+        logits = _tp_logits(trainer, tokens)
     if int(os.environ.get("RANK", "0")) == 0:
         args = {"flavor": "debug", **MODEL_ARGS}
-        torch.save(
-            {"params": params, "logits": logits, "tokens": DUMP_TOKENS, "model_args": args}, path
-        )
+        torch.save({"params": params, "logits": logits, "tokens": tokens, "model_args": args}, path)
 
 
 def _tp_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,8 +105,13 @@ def _tp_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
     with trainer.train_context(), spmd.no_typecheck():
         logits = _full(model.lm_head(model(tokens)))
     model._skip_lm_head = skip
+    return _gather_vocab(trainer, logits)
+
+
+def _gather_vocab(trainer, logits: torch.Tensor) -> torch.Tensor:
+    """Under TP each rank holds a vocabulary shard of the logits: the whole of them."""
     tp = trainer.parallel_dims.tp
-    if tp > 1:  # each TP rank holds a vocabulary shard of the logits
+    if tp > 1:
         group = trainer.parallel_dims.get_mesh("tp").get_group()
         parts = [torch.empty_like(logits) for _ in range(tp)]
         dist.all_gather(parts, logits.contiguous(), group=group)

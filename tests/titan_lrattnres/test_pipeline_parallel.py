@@ -13,12 +13,15 @@ logits within ``RTOL`` of the logits the pipeline schedule computes.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
 
 from custom_ops.schedule import schedule_ends
 from tests.titan_lrattnres.parallel_runs import (
+    RTOL,
+    RUN,
     Runs,
     assert_checkpoint_loads_in_one_process,
     assert_parity,
@@ -161,3 +164,38 @@ def test_pp2_equals_one_process(runs, case):
     run = runs.run(model, f"pp2_{case}", flags, nproc=2)
     assert_parity(run, runs.ref(model))
     assert_checkpoint_loads_in_one_process(run)
+
+
+@pytest.mark.slow
+def test_3d_pp2_x_tp2_x_fsdp2_equals_one_process_with_validation(runs):
+    """PP=2 x TP=2 (+ SP) x FSDP=2 on 8 gloo ranks (~1 min on 2 cores), validation on: the
+    validation loss reported by rank 0 (which holds no last stage) is the one-process one."""
+    val = ["--validator.enable"]
+    flags = [*PP2, "--parallelism.tensor_parallel_degree", "2"]
+    flags += ["--parallelism.data_parallel_shard_degree", "2", "--training.local_batch_size", "2"]
+    run = runs.run("sliced", "pp2_tp2_fsdp2", [*flags, *val], nproc=8)
+    assert_parity(run, runs.ref("sliced"))
+    assert_checkpoint_loads_in_one_process(run)
+    ref_val = runs.run("sliced", "ref_sliced_val", val)
+    got, want = (json.loads((r / "summary.json").read_text()) for r in (run, ref_val))
+    assert got["world_size"] == 8
+    assert got["final_val_loss"] == pytest.approx(want["final_val_loss"], rel=RTOL, abs=0)
+
+
+@pytest.mark.slow
+def test_pp2_paper_recipe_equals_one_process(runs, tmp_path):
+    """Muon + AdamW, z-loss (``cpu_smoke_muon``): the losses and their z-loss part as in one
+    process (torch's first-step shape inference calls the loss on uninitialised tensors)."""
+    from tests.titan_lrattnres.trainer_runs import launch
+
+    seed = ["--checkpoint.initial_load_path", str(runs.seed("sliced"))]
+    argv = ["cpu_smoke_muon", *RUN, *seed]
+    one, _ = launch([{"name": "one", "argv": [*argv, "--dump_folder", str(tmp_path / "one")]}],
+                    tmp_path / "l1", runs.env)  # fmt: skip
+    pp, _ = launch([{"name": "pp", "argv": [*argv, *PP2, "--dump_folder", str(tmp_path / "pp")]}],
+                   tmp_path / "l2", runs.env, nproc=2)  # fmt: skip
+    got, want = pp["pp"]["history"], one["one"]["history"]
+    assert [h["step"] for h in got] == [h["step"] for h in want] == [1, 2, 3]
+    for g, w in zip(got, want, strict=True):
+        for key in ("loss", "z_loss"):
+            assert g[key] == pytest.approx(w[key], rel=RTOL, abs=0), (key, g, w)
