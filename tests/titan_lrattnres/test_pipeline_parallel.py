@@ -23,6 +23,7 @@ from tests.titan_lrattnres.parallel_runs import (
     RTOL,
     RUN,
     Runs,
+    _rel,
     assert_checkpoint_loads_in_one_process,
     assert_parity,
 )
@@ -92,7 +93,7 @@ def test_zero_bubble_schedules_are_refused_with_the_reason():
         check_schedule("ZBVZeroBubble")
 
 
-@pytest.mark.parametrize("variant", ["sliced", "projected"])
+@pytest.mark.parametrize("variant", ["baseline", "attnres", "sliced", "projected"])
 def test_stages_own_their_queries_and_match_the_whole_model(build, variant):
     """Two stages of one model in one process, the hop passed by hand, the cache on: logits and
     every gradient equal the whole model's (the depth state crosses a mid-block cut)."""
@@ -116,8 +117,8 @@ def test_stages_own_their_queries_and_match_the_whole_model(build, variant):
     assert isinstance(stages[0], LRAttnResStage)
     owned = [sorted(n for n, _ in s.named_parameters() if n.startswith("router.")) for s in stages]
     key = ["router.embedding_key.weight"] if variant == "projected" else []
-    assert owned == [[*key, "router.query_1"], ["router.query_2"],
-                     ["router.query_3", "router.query_4"]]  # fmt: skip
+    want = [[*key, "router.query_1"], ["router.query_2"], ["router.query_3", "router.query_4"]]
+    assert owned == (want if variant != "baseline" else [[], [], []])
     tokens = torch.randint(0, 4096, (2, 9))
     ref = whole(tokens)
     outs, ins = [stages[0](tokens)], [None]
@@ -134,8 +135,8 @@ def test_stages_own_their_queries_and_match_the_whole_model(build, variant):
     want = dict(whole.named_parameters())
     got = {n: p.grad for s in stages for n, p in s.named_parameters()}
     assert sorted(got) == sorted(want)  # every parameter on exactly one stage
-    for name, g in got.items():
-        torch.testing.assert_close(g, want[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, g in got.items():  # fp32 sums in another order (standard keys: |grad| ~ 500)
+        assert _rel(g, want[name].grad) < RTOL, (name, _rel(g, want[name].grad))
 
 
 # -- slow: multi-process parity ---------------------------------------------------------------
