@@ -19,7 +19,8 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
 Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
 FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
 several learning rates (``cpu_default_*_lr*``), ``sweep.md`` (and ``sweep_best_lr.json``) add
-each model at its best rate with the paired difference to the baseline at ITS best rate.
+each model at its best rate with the paired difference to the baseline at ITS best rate, and
+``sweep.png`` shows those rows.
 ``--decode FILE`` (from ``python -m benchmarks.decode --json``) and ``--longctx FILE``
 (``longctx.json`` of ``python -m titan_lrattnres.longctx``) add their columns: decode latency
 per token over the baseline (batch 1 and 8; per model), and per trained run the loss in the last
@@ -350,7 +351,8 @@ def write_report(rows: list[dict], out: Path, decode=None, longctx=None) -> None
     (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     if best:
         (out / "sweep_best_lr.json").write_text(json.dumps(best, indent=2) + "\n")
-    plot(rows, out / "sweep.png")
+    # one point per model: at its best rate when there are several
+    plot(best or rows, out / "sweep.png", "each model at its best learning rate" if best else "")
 
 
 def main(argv=None) -> int:

@@ -114,7 +114,7 @@ def test_paired_deltas_use_per_batch_differences():
     assert rows[2]["delta_vs_baseline"] is None
 
 
-def test_best_learning_rate_table_and_extra_columns(tmp_path):
+def test_best_learning_rate_table_and_extra_columns(tmp_path, monkeypatch):
     losses = {  # config -> per-batch validation losses (the same 3 held-out batches)
         "cpu_default_baseline": [5.0, 5.2, 5.4],
         "cpu_default_baseline_lr1e-2": [4.6, 4.8, 5.0],  # the baseline's best rate
@@ -145,7 +145,10 @@ def test_best_learning_rate_table_and_extra_columns(tmp_path):
                              "4": {"buckets": [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.4]}},
         "copy_probe": {"0": {"first_loss": 5.0, "second_loss": 4.0},
                        "896": {"first_loss": 5.0, "second_loss": 4.5}}}}}  # fmt: skip
+    plotted = []
+    monkeypatch.setattr(sweep, "plot", lambda rows, *a: plotted.extend(r["config"] for r in rows))
     sweep.write_report(rows, tmp_path, decode, longctx)
+    assert sorted(plotted) == sorted(best)  # one point per model, at its best rate
     by = {r["config"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
     assert by["cpu_default_sliced"]["decode_ratio_b1"] == 1.2
     assert by["cpu_default_sliced"]["long_degradation"] == pytest.approx(0.2)  # last 2 of 8
