@@ -19,9 +19,13 @@ image lacks and calls this). Sections, in order; each writes its result or its e
    (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled) per
    variant, forward + backward (no optimizer: the step of the CPU bars), ratio to the baseline
    within each round, median over rounds.
-7. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
+7. ``decode``: ``benchmarks.decode.measure`` on ``cpu_small`` (d=128, L=4; fp32, eager, the
+   Triton depth reads): prefill of 1x256 and 8x256 prompts, then 32 KV-cached greedy steps, per
+   variant (baseline, standard Block N=4 and Full, S-LR and P-LR Block N=4 r=32), 5 rounds;
+   ``decode_ratio``: per-token decode latency over the baseline's (median over rounds).
+8. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
    backward, on the shapes each supports, with agreement vs our reference (skipped on CPU).
-8. ``step_ratios_cuda_graphs``: section 6 with the whole step captured in a CUDA graph; last,
+9. ``step_ratios_cuda_graphs``: section 6 with the whole step captured in a CUDA graph; last,
    since a failed capture may leave the CUDA context unusable.
 
 Targets, stated in the JSON (``targets``) against the numbers of the same run: read forward >= 90 %
@@ -43,14 +47,17 @@ compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targ
 Block N=8 and Full have none and would add ~40 s of compile each); inductor compiling the
 sublayer graphs dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x
 <= 50 ms = 3 s of timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to
-a few tenths of a point (cap 150 s). peers: they autotune on the first call (liger none,
-flash-attn-res ~20 configs, fla-core 58, fast-attnres ~106 per rank), ~0.5 s per config, left
-as shipped (pruning their configs would handicap them); rows run cheapest first, r=64 before
-r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9) and (1024, 17), until the
-deadline less section 8's cap; the rest are reported as skipped (``--sections peers`` alone gives
-them ~5 min). step_ratios_cuda_graphs re-uses section 6's compiled graphs (dynamo and this run's
-inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes,
-eager sublayers) runs every section in ~30-60 s on 2 cores.
+a few tenths of a point (cap 150 s). decode: a step of the tiny model is a few hundred kernel
+launches (~1-2 ms), 5 rounds x 5 variants x 2 batches x (prefill + 32 steps) ~ 3-5 s; the Triton
+reads compile once per key shape (~10-20 s; cap 45 s, taken from what peers would get). peers:
+they autotune on the first call (liger none, flash-attn-res ~20 configs, fla-core 58,
+fast-attnres ~106 per rank), ~0.5 s per config, left as shipped (pruning their configs would
+handicap them); rows run cheapest first, r=64 before r=d, shape (d=1024, S=9: the paper's Block
+N=8 read) before (4096, 9) and (1024, 17), until the deadline less section 9's cap; the rest
+are reported as skipped (``--sections peers`` alone gives them ~5 min). step_ratios_cuda_graphs
+re-uses section 6's compiled graphs (dynamo and this run's inductor cache): capture + 10 rounds
+(cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes, eager sublayers) runs every section in
+~30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -77,7 +84,7 @@ from benchmarks import ops as op_bench
 DEADLINE_S = 330.0
 # Run in this order; "peers" gets what is left but the last section's cap.
 CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60,
-        "op_bandwidth": 45, "step_ratios": 150, "peers": 330,
+        "op_bandwidth": 45, "step_ratios": 150, "decode": 45, "peers": 330,
         "step_ratios_cuda_graphs": 60}  # fmt: skip
 VARIANTS = ("baseline", "sliced8_r64", "projected8_r32")
 TARGETS = {"fwd_pct_copy": 90.0, "fwd_bwd_pct_copy": 75.0,
@@ -203,6 +210,26 @@ def step_ratios(res, device, dry, cuda_graphs):
     res["table"] = overhead.table(res["result"])
 
 
+def decode(res, device, dry):
+    from benchmarks import decode as decode_bench
+
+    if dry:
+        config = dict(flavor="debug", prompt=16, new=4, batches=(1, 2), rounds=2)
+    else:
+        config = dict(flavor="cpu_small", prompt=256, new=32, batches=(1, 8), rounds=5)
+    variants = decode_bench.DEFAULT_VARIANTS
+    res["config"] = dict(config, variants=variants, dtype="float32", eager=True)
+    flavor = config.pop("flavor")
+    res["result"] = decode_bench.measure(
+        flavor, variants=variants, device=device, progress=lambda m: print("[decode]", m), **config
+    )
+    res["decode_ratio"] = {
+        f"B={b}": {n: round(r["decode_ratio"], 3) for n, r in rows.items()}
+        for b, rows in res["result"].items()
+    }
+    res["table"] = decode_bench.table(res["result"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Targets
 
@@ -302,6 +329,7 @@ def main(argv=None):
         "trainer": lambda res: trainer_finish(res, bg["trainer"], wait_for("trainer")),
         "op_bandwidth": lambda res: op_bandwidth(res, device, dry),
         "step_ratios": lambda res: step_ratios(res, device, dry, cuda_graphs=False),
+        "decode": lambda res: decode(res, device, dry),
         "peers": lambda res: peers.run(
             res, device, dry, deadline - reserve - 15, repeat=3 if dry else 20
         ),
@@ -356,6 +384,8 @@ def report(result, wanted):
     for name in ("step_ratios", "step_ratios_cuda_graphs"):
         if "table" in result.get(name, {}):
             print(f"{name}: {result[name]['config']}\n{result[name]['table']}")
+    if "table" in result.get("decode", {}):
+        print(f"decode: {result['decode']['config']}\n{result['decode']['table']}")
     if "rows" in result.get("peers", {}):
         print(peers.table(result["peers"]))
     for name in wanted:

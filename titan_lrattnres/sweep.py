@@ -1,7 +1,8 @@
 """Variant sweep at matched tokens, data and seed: train, evaluate, tabulate, plot (cf. Figure 1).
 
     python -m titan_lrattnres.sweep [--configs a,b,c] [--out DIR] [--nproc N] [--dry-run] \
-        [--section.field VALUE ...]     (any other argument is passed to every training run)
+        [--merge OLD/sweep.json] [--section.field VALUE ...]
+        (any other argument is passed to every training run)
 
 Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
 ``python -m titan_lrattnres.train NAME --dump_folder OUT/NAME`` (``torchrun --standalone
@@ -18,12 +19,15 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
 Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
 FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
 several learning rates (``cpu_default_*_lr*``), ``sweep.md`` (and ``sweep_best_lr.json``) add
-each model at its best rate with the paired difference to the baseline at ITS best rate.
+each model at its best rate with the paired difference to the baseline at ITS best rate, and
+``sweep.png`` shows those rows.
 ``--decode FILE`` (from ``python -m benchmarks.decode --json``) and ``--longctx FILE``
 (``longctx.json`` of ``python -m titan_lrattnres.longctx``) add their columns: decode latency
 per token over the baseline (batch 1 and 8; per model), and per trained run the loss in the last
 quarter of a 4x-training-length input minus its loss at 1x (extrapolation) and the copy probe's
-gain (first minus second occurrence loss) at the longest gap.
+gain (first minus second occurrence loss) at the longest gap. ``--merge OLD/sweep.json`` adds the
+rows of an earlier sweep (runs that need not be on this machine: their per-batch losses are in the
+JSON) to this one's, in the earlier order, new configs after; a config in both takes this run's.
 """
 
 from __future__ import annotations
@@ -188,6 +192,14 @@ def add_paired_deltas(rows: list[dict]) -> None:
         r["delta_vs_baseline"], r["delta_ci95"] = ci95([a - b for a, b in zip(losses, base_losses)])
 
 
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` (rows of an earlier ``sweep.json``) in their order, a config run again replaced by
+    its ``new`` row, then the new configs; deltas and extras are recomputed by ``write_report``."""
+    fresh = {r["config"]: r for r in new}
+    merged = [fresh.pop(r["config"], r) for r in old]
+    return merged + list(fresh.values())
+
+
 def best_lr_rows(rows: list[dict]) -> list[dict]:
     """Each model (``model_key``) at its lowest validation loss over learning rates, with the
     paired difference to the baseline at the baseline's best rate; [] if no model has two rates."""
@@ -339,7 +351,8 @@ def write_report(rows: list[dict], out: Path, decode=None, longctx=None) -> None
     (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
     if best:
         (out / "sweep_best_lr.json").write_text(json.dumps(best, indent=2) + "\n")
-    plot(rows, out / "sweep.png")
+    # one point per model: at its best rate when there are several
+    plot(best or rows, out / "sweep.png", "each model at its best learning rate" if best else "")
 
 
 def main(argv=None) -> int:
@@ -355,6 +368,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the commands, train nothing")
     p.add_argument("--decode", help="JSON of python -m benchmarks.decode --json (columns)")
     p.add_argument("--longctx", help="longctx.json of python -m titan_lrattnres.longctx")
+    p.add_argument("--merge", help="sweep.json of an earlier sweep: its rows join the table")
     ns, extra = p.parse_known_args(argv)
     out = Path(ns.out)
     names = [c for c in ns.configs.split(",") if c]
@@ -393,6 +407,8 @@ def main(argv=None) -> int:
             )
             evaluation = {}
         rows.append(make_row(name, summary, evaluation))
+    if ns.merge and not ns.dry_run:
+        rows = merge_rows(json.loads(Path(ns.merge).read_text()), rows)
     if rows:
         extras = [json.loads(Path(f).read_text()) if f else None for f in (ns.decode, ns.longctx)]
         write_report(rows, out, *extras)

@@ -75,6 +75,7 @@ def make_config(
     flavor: str,
     variant: str,
     blocks: int | None,
+    block_layers: int | None = None,
     rank: int,
     seq_len: int,
     local_batch_size: int,
@@ -98,9 +99,17 @@ def make_config(
     log_freq: int = 1,
     seed: int | None = 0,
 ) -> LRAttnResTrainer.Config:
+    """``blocks=N`` (None = Full) or, with ``blocks=None``, ``block_layers=k`` (Block by size: an
+    end every 2k sublayers); both set is refused by ``model_registry``."""
     register_datasets()
+    schedule = {"blocks": blocks} if block_layers is None or blocks is not None else {}
     spec = model_registry(
-        flavor, variant=variant, blocks=blocks, rank=rank, depth_backend=DEPTH_BACKEND
+        flavor,
+        variant=variant,
+        **schedule,
+        block_layers=block_layers,
+        rank=rank,
+        depth_backend=DEPTH_BACKEND,
     )
     return LRAttnResTrainer.Config(
         run_name=name,

@@ -7,6 +7,9 @@
   40 x 8 x 256 = 82k held-out tokens (46% of the split); checkpoints every 100 steps.
 - ``cpu_default_{baseline,attnres,sliced,projected}``: the same recipe per variant (Block N=4),
   for comparisons at matched tokens; ``cpu_default_attnres_full`` is standard Full AttnRes.
+- ``cpu_default_{attnres,sliced,projected}_k3``: Block by size in layers (``block_layers=3``):
+  a block end every 6 sublayers from the start, so at L=4 blocks of 3 and 1 layers (ends 6, 8:
+  the last block partial); no block count gives this schedule.
 - ``cpu_smoke_muon`` / ``cpu_default_muon``: ``cpu_smoke`` / ``cpu_default`` with the paper's
   optimiser and loss (``train_configs.recipe``): Muon + AdamW, momentum schedule, z-loss 1e-5.
   Learning rates keep the paper's Muon : AdamW ratio (1e-3 : 3e-4) scaled to the CPU configs'
@@ -50,14 +53,21 @@ def cpu_smoke():
     )
 
 
-def _cpu_default(variant: str, name: str, full: bool = False, lr: float = 3e-3):
+def _cpu_default(
+    variant: str,
+    name: str,
+    full: bool = False,
+    lr: float = 3e-3,
+    block_layers: int | None = None,
+):
     blocks, rank = CPU_VARIANTS[variant]
-    blocks = None if full else blocks
+    blocks = None if full or block_layers is not None else blocks
     return make_config(
         name=name,
         flavor="cpu_small",
         variant=variant,
         blocks=blocks,
+        block_layers=block_layers,
         rank=rank,
         seq_len=256,
         local_batch_size=8,
@@ -111,6 +121,18 @@ def cpu_default_projected():
     return _cpu_default("projected", "cpu_default_projected")
 
 
+def cpu_default_attnres_k3():
+    return _cpu_default("attnres", "cpu_default_attnres_k3", block_layers=3)
+
+
+def cpu_default_sliced_k3():
+    return _cpu_default("sliced", "cpu_default_sliced_k3", block_layers=3)
+
+
+def cpu_default_projected_k3():
+    return _cpu_default("projected", "cpu_default_projected_k3", block_layers=3)
+
+
 # The learning-rate check of the default sweep (is the baseline handicapped at the shared 3e-3?):
 # cpu_default_{baseline,attnres_full,attnres,sliced,projected}_lr{1e-3,1e-2}, 3e-3 being the
 # named configs above, and cpu_default_baseline_lr3e-4.
@@ -148,6 +170,9 @@ CONFIGS = {
         cpu_default_attnres,
         cpu_default_sliced,
         cpu_default_projected,
+        cpu_default_attnres_k3,
+        cpu_default_sliced_k3,
+        cpu_default_projected_k3,
         *(_lr_config(v, t) for v in SWEEP_VARIANTS for t in ("1e-3", "1e-2")),
         _lr_config("baseline", "3e-4"),  # the baseline was best at the lowest rate: bracket it
     )

@@ -18,7 +18,7 @@ from titan_lrattnres import data
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "benchmarks" / "torch_compat"
 SECTIONS = ["ops_check", "grad_parity", "graph_parity", "trainer", "op_bandwidth",
-            "step_ratios", "step_ratios_cuda_graphs", "peers"]  # fmt: skip
+            "step_ratios", "decode", "step_ratios_cuda_graphs", "peers"]  # fmt: skip
 
 
 def _env(**extra) -> dict:
@@ -60,6 +60,9 @@ def test_dry_run_runs_every_section(tmp_path):
     assert "CUDA" in r["step_ratios_cuda_graphs"]["skipped"]
     assert r["trainer"]["rc"] == 0 and r["trainer"]["summary"]["steps"] == 3
     assert set(r["step_ratios"]["overhead_pct"]) == {"sliced8_r64", "projected8_r32"}
+    ratios = r["decode"]["decode_ratio"]  # every variant, both batch sizes, vs the baseline
+    assert list(ratios) == ["B=1", "B=2"] and all(b["baseline"] == 1.0 for b in ratios.values())
+    assert all(set(b) == set(r["decode"]["config"]["variants"]) for b in ratios.values())
     assert all("CUDA" in v for k, v in r["peers"]["versions"].items())
     assert [row["impl"] for row in r["peers"]["rows"]] == ["ours", "ours"]
     assert r["targets"] and all(t["ok"] is None for t in r["targets"])  # tiny CPU: not judged

@@ -17,6 +17,7 @@ from titan_lrattnres import analysis
 from titan_lrattnres.flops import added_flops_percent
 from titan_lrattnres.inference import build_model, model_args_from_summary
 from titan_lrattnres.registry import Flavor, build_model_config
+from train_configs import common, get_config
 
 THREE_LAYERS = Flavor(dim=32, n_layers=3, n_heads=2, hidden_dim=48, vocab_size=128, max_seq_len=16)
 
@@ -67,6 +68,21 @@ def test_both_given_is_refused():
     assert build_model_config("cpu_small").router.blocks == 8  # the default still applies
     c = build_model_config("debug", variant="baseline", block_layers=1)
     assert c.router.blocks is None and c.router.block_layers is None
+
+
+@pytest.mark.parametrize("variant", ["attnres", "sliced", "projected"])
+def test_named_configs_by_size(variant):
+    """cpu_default_*_k3 (L = 4, k = 3): blocks of 3 and 1 layers, ends 6 and 8 (partial last)."""
+    router = get_config(f"cpu_default_{variant}_k3").model_spec.model.router
+    assert (router.variant, router.blocks, router.block_layers) == (variant, None, 3)
+    assert schedule_ends(router.num_sublayers, router.blocks, router.block_layers) == [6, 8]
+    recipe = dict(name="both", flavor="cpu_small", variant=variant, rank=32, seq_len=256,
+                  local_batch_size=8, steps=200, lr=3e-3, warmup_steps=20, decay_ratio=None,
+                  min_lr_factor=0.1)  # fmt: skip
+    with pytest.raises(ValueError, match=r"give blocks \(a count, got 4\) or block_layers"):
+        common.make_config(**recipe, blocks=4, block_layers=3)
+    by_count = common.make_config(**recipe, blocks=4).model_spec.model.router
+    assert (by_count.blocks, by_count.block_layers) == (4, None)
 
 
 @pytest.mark.parametrize("variant", ["attnres", "sliced", "projected"])

@@ -114,7 +114,7 @@ def test_paired_deltas_use_per_batch_differences():
     assert rows[2]["delta_vs_baseline"] is None
 
 
-def test_best_learning_rate_table_and_extra_columns(tmp_path):
+def test_best_learning_rate_table_and_extra_columns(tmp_path, monkeypatch):
     losses = {  # config -> per-batch validation losses (the same 3 held-out batches)
         "cpu_default_baseline": [5.0, 5.2, 5.4],
         "cpu_default_baseline_lr1e-2": [4.6, 4.8, 5.0],  # the baseline's best rate
@@ -145,7 +145,10 @@ def test_best_learning_rate_table_and_extra_columns(tmp_path):
                              "4": {"buckets": [5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.4]}},
         "copy_probe": {"0": {"first_loss": 5.0, "second_loss": 4.0},
                        "896": {"first_loss": 5.0, "second_loss": 4.5}}}}}  # fmt: skip
+    plotted = []
+    monkeypatch.setattr(sweep, "plot", lambda rows, *a: plotted.extend(r["config"] for r in rows))
     sweep.write_report(rows, tmp_path, decode, longctx)
+    assert sorted(plotted) == sorted(best)  # one point per model, at its best rate
     by = {r["config"]: r for r in json.loads((tmp_path / "sweep.json").read_text())}
     assert by["cpu_default_sliced"]["decode_ratio_b1"] == 1.2
     assert by["cpu_default_sliced"]["long_degradation"] == pytest.approx(0.2)  # last 2 of 8
@@ -154,3 +157,42 @@ def test_best_learning_rate_table_and_extra_columns(tmp_path):
     md = (tmp_path / "sweep.md").read_text()
     assert "## Each model at its best learning rate" in md and "decode × base B=1" in md
     assert len(json.loads((tmp_path / "sweep_best_lr.json").read_text())) == 2
+
+
+def test_merge_adds_an_earlier_sweeps_rows_and_prefers_the_new_run(tmp_path, capsys):
+    old = tmp_path / "old"
+    rows = []
+    for name, ls in (
+        ("cpu_default_baseline", [5.0, 5.2, 5.4]),
+        ("cpu_default_sliced", [4.4, 4.5, 4.6]),
+        ("cpu_default_attnres", [4.7, 4.9, 5.1]),
+    ):
+        f = FAKE[name]
+        s = _summary(f["variant"], f["blocks"], f["rank"], sum(ls) / 3)
+        rows.append(sweep.make_row(name, s, {"val_loss": sum(ls) / 3, "val_batch_losses": ls}))
+    rows[2]["delta_vs_baseline"] = 99.0  # stale: recomputed after the merge
+    old.mkdir()
+    (old / "sweep.json").write_text(json.dumps(rows))
+    new = tmp_path / "new"
+    for name, val in (("cpu_default_sliced", 3.9), ("cpu_default_projected", 4.2)):
+        (new / name).mkdir(parents=True)
+        f = FAKE[name]
+        s = _summary(f["variant"], f["blocks"], f["rank"], val)
+        (new / name / "summary.json").write_text(json.dumps(s))
+    configs = "cpu_default_sliced,cpu_default_projected"
+    args = ["--out", str(new), "--configs", configs, "--merge", str(old / "sweep.json")]
+    assert sweep.main(args) == 0
+    capsys.readouterr()
+    merged = json.loads((new / "sweep.json").read_text())
+    assert [r["config"] for r in merged] == [
+        "cpu_default_baseline",
+        "cpu_default_sliced",  # in the earlier place, from the new run
+        "cpu_default_attnres",
+        "cpu_default_projected",  # new config: after the earlier rows
+    ]
+    by = {r["config"]: r for r in merged}
+    assert by["cpu_default_sliced"]["val_loss"] == 3.9
+    assert by["cpu_default_sliced"]["val_batch_losses"] is None  # the new run's fields only
+    assert by["cpu_default_attnres"]["delta_vs_baseline"] == pytest.approx(-0.3)
+    assert by["cpu_default_baseline"]["val_batch_losses"] == [5.0, 5.2, 5.4]
+    assert "| P-LR Block N=4 r=32 | cpu_default_projected |" in (new / "sweep.md").read_text()
