@@ -48,6 +48,13 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def _fqn(name: str) -> str:
+    """The parameter's name without activation-checkpoint (or compile) wrappers."""
+    from torchtitan.components.checkpointer.utils import canonical_fqn
+
+    return canonical_fqn(name)
+
+
 def _gather(mine: dict) -> dict:
     """The union of every rank's dict (pipeline stages hold different parameters)."""
     if not dist.is_initialized():
@@ -83,7 +90,9 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def dump(trainer, path: str) -> None:
-    params = _gather({n: _full(p) for m in trainer.model_parts for n, p in m.named_parameters()})
+    params = _gather(
+        {_fqn(n): _full(p) for m in trainer.model_parts for n, p in m.named_parameters()}
+    )
     tokens = DUMP_TOKENS
     if trainer.parallel_dims.pp_enabled:  # the stages' buffers have the training shapes
         seq = trainer.config.training.seq_len
@@ -159,7 +168,9 @@ def main(argv: list[str]) -> int:
         def clip_and_dump(params, *args, **kwargs):
             if not os.path.exists(grads):
                 parts = tt.Trainer._dump_parts
-                full = _gather({n: _full(p.grad) for m in parts for n, p in m.named_parameters()})
+                full = _gather(
+                    {_fqn(n): _full(p.grad) for m in parts for n, p in m.named_parameters()}
+                )
                 if int(os.environ.get("RANK", "0")) == 0:
                     torch.save(full, grads)
                 dist.barrier()

@@ -150,7 +150,10 @@ CASES = {
     "sliced_1f1b_cut_at_block_end": ("sliced", PP2),  # default split: layers 0-1 | 2-3
     "projected_1f1b_cut_mid_block": ("projected", [*PP2, *MID_BLOCK]),
     "sliced_interleaved_2x4_cached": ("sliced", [*PP2, *INTERLEAVED]),
-    "projected_interleaved_2x4_cached": ("projected", [*PP2, *INTERLEAVED]),
+    "projected_interleaved_2x4_cached_selective_ac": (
+        "projected",
+        [*PP2, *INTERLEAVED, "activation-checkpoint:selective"],  # the GPU configs' AC
+    ),
     "standard_full_1f1b_compiled": (
         "attnres_full",
         [*PP2, *MID_BLOCK, "--compile.enable", "--compile.backend", "aot_eager"],
