@@ -41,6 +41,11 @@ def query_name(t: int) -> str:
     return f"query_{t}"
 
 
+def query_names(num_sublayers: int) -> list[str]:
+    """The query names of read sites 1..M."""
+    return [query_name(t) for t in range(1, num_sublayers + 1)]
+
+
 @dataclass
 class DepthState:
     """Sources of one forward pass. Values ``[B, T, d]``; projected keys ``[B, T, r]`` fp32."""
@@ -82,9 +87,9 @@ class DepthRouter(Module):
         self.ends = schedule_ends(m, config.blocks, config.block_layers)
         self._end_set = frozenset(self.ends)
         if self.variant != "baseline":  # read sites 1..M (site 0 is the identity)
-            for t in range(1, m + 1):
+            for name in query_names(m):
                 q = nn.Parameter(torch.zeros(config.rank, dtype=torch.float32))
-                self.register_parameter(query_name(t), q)
+                self.register_parameter(name, q)
         self.site_stop = m + 1  # one past this module's last read site (a pipeline stage's)
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None

@@ -56,11 +56,15 @@ class Hop:
     first_source: int
     n_sources: int
 
+    @property
+    def shipped(self) -> int:
+        """Depth-state values sent besides ``h``: the partial and the uncached sources."""
+        return int(self.partial) + self.n_sources - self.first_source
+
     def tensors(self, projected: bool, baseline: bool = False) -> int:
         if baseline:
             return 1
-        per = 2 if projected else 1
-        return 1 + per * (int(self.partial) + self.n_sources - self.first_source)
+        return 1 + (2 if projected else 1) * self.shipped
 
 
 @dataclass(frozen=True)
@@ -385,8 +389,7 @@ def hop_table(
     key_bytes = 4 * rank if projected else 0
 
     def nbytes(hop: Hop) -> int:
-        sources = int(hop.partial) + hop.n_sources - hop.first_source
-        return 2 * dim + sources * (2 * dim + key_bytes)
+        return 2 * dim + hop.shipped * (2 * dim + key_bytes)
 
     rows = []
     for naive, cached in zip(

@@ -21,7 +21,7 @@ from torchtitan.models.common.config_utils import (
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.protocols.model_spec import ModelSpec
 
-from titan_lrattnres.depth import BACKENDS, DepthRouter, query_name
+from titan_lrattnres.depth import BACKENDS, DepthRouter, query_names
 from titan_lrattnres.flops import VARIANTS
 from titan_lrattnres.model import LRAttnResModel, Sublayer, VocabHead
 from titan_lrattnres.pipeline import pipeline_lrattnres
@@ -176,7 +176,7 @@ def build_model_config(
         block_layers=block_layers,
         eps=eps,
         backend=depth_backend,
-        param_init={query_name(t): nn.init.zeros_ for t in range(1, m + 1)},  # uniform reads
+        param_init=dict.fromkeys(query_names(m), nn.init.zeros_),  # uniform reads
         embedding_key=(
             Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
             if variant == "projected"

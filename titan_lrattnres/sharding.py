@@ -32,7 +32,7 @@ from torchtitan.models.common.decoder_sharding import (
 from torchtitan.protocols.sharding import ShardingConfig
 
 from titan_lrattnres import op_sharding  # noqa: F401  (DTensor rules for the lrattnres:: ops)
-from titan_lrattnres.depth import query_name
+from titan_lrattnres.depth import query_names
 
 
 def _router_params(*names: str, enable_sp: bool) -> ShardingConfig:
@@ -58,7 +58,7 @@ def set_sharding_config(config, *, enable_sp: bool) -> None:
             )
     router = config.router
     if router.variant != "baseline":
-        queries = (query_name(t) for t in range(1, router.num_sublayers + 1))
+        queries = query_names(router.num_sublayers)
         router.sharding_config = _router_params(*queries, enable_sp=enable_sp)
     if router.embedding_key is not None:
         router.embedding_key.sharding_config = _router_params("weight", enable_sp=enable_sp)

@@ -28,7 +28,12 @@ import torch.distributed as dist  # noqa: E402
 import torchtitan.trainer as tt  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-DUMP_TOKENS = torch.arange(2 * 32).reshape(2, 32) * 37 % 1000  # a fixed batch (ids < 1000)
+
+def dump_tokens(seq: int) -> torch.Tensor:
+    """A fixed batch of 2 x ``seq`` token ids (< 1000)."""
+    return torch.arange(2 * seq).reshape(2, seq) * 37 % 1000
+
+
 MODEL_ARGS: dict = {}  # build_model_config arguments of the registered model (flavor "debug")
 
 
@@ -53,6 +58,11 @@ def _fqn(name: str) -> str:
     from torchtitan.components.checkpointer.utils import canonical_fqn
 
     return canonical_fqn(name)
+
+
+def _by_name(parts, of) -> dict:
+    """``of(parameter)`` for every parameter of every model part on every rank, by name."""
+    return _gather({_fqn(n): _full(of(p)) for m in parts for n, p in m.named_parameters()})
 
 
 def _gather(mine: dict) -> dict:
@@ -90,15 +100,12 @@ def _pipeline_logits(trainer, tokens: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def dump(trainer, path: str) -> None:
-    params = _gather(
-        {_fqn(n): _full(p) for m in trainer.model_parts for n, p in m.named_parameters()}
-    )
-    tokens = DUMP_TOKENS
+    params = _by_name(trainer.model_parts, lambda p: p)
     if trainer.parallel_dims.pp_enabled:  # the stages' buffers have the training shapes
-        seq = trainer.config.training.seq_len
-        tokens = torch.arange(2 * seq).reshape(2, seq) * 37 % 1000
+        tokens = dump_tokens(trainer.config.training.seq_len)
         logits = _pipeline_logits(trainer, tokens)
     else:
+        tokens = dump_tokens(32)
         logits = _tp_logits(trainer, tokens)
     if int(os.environ.get("RANK", "0")) == 0:
         args = {"flavor": "debug", **MODEL_ARGS}
@@ -167,10 +174,7 @@ def main(argv: list[str]) -> int:
 
         def clip_and_dump(params, *args, **kwargs):
             if not os.path.exists(grads):
-                parts = tt.Trainer._dump_parts
-                full = _gather(
-                    {_fqn(n): _full(p.grad) for m in parts for n, p in m.named_parameters()}
-                )
+                full = _by_name(tt.Trainer._dump_parts, lambda p: p.grad)
                 if int(os.environ.get("RANK", "0")) == 0:
                     torch.save(full, grads)
                 dist.barrier()
