@@ -290,10 +290,12 @@ class LRAttnResTrainer(Trainer):
                 os.path.dirname(config.checkpoint.initial_load_path.rstrip("/")),
                 self._fingerprint(),
             )
-        if _rank() == 0:
+        if _rank() == 0:  # atomically: the other ranks may be reading it in check_fingerprint
             os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, FINGERPRINT_FILE), "w") as f:
+            path = os.path.join(folder, FINGERPRINT_FILE)
+            with open(path + ".tmp", "w") as f:
                 json.dump(self._fingerprint(), f, indent=2, sort_keys=True)
+            os.replace(path + ".tmp", path)
 
     def train(self):
         config = self.config
