@@ -36,12 +36,16 @@ lint: venv
 
 # Main suite, then the Triton kernels under the interpreter in their own process.
 # Any non-zero pytest exit fails the target, 5 (no test collected) included.
+# TEST_WORKERS pytest-xdist workers, each taking whole files (--dist loadfile: a module's
+# seed checkpoints and references are built once); 1 runs everything in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,-p no:xdist)
 test: venv lint
-	$(PY) -m pytest -q -x --durations=15 tests --ignore=tests/custom_ops_interp
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -x tests/custom_ops_interp
+	$(PY) -m pytest -q -x $(XDIST) --durations=15 tests --ignore=tests/custom_ops_interp
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -x $(XDIST) tests/custom_ops_interp
 
 test-fast: venv
-	$(PY) -m pytest -q -x -m "not slow" tests --ignore=tests/custom_ops_interp
+	$(PY) -m pytest -q -x $(XDIST) -m "not slow" tests --ignore=tests/custom_ops_interp
 
 bench: venv
 	$(PY) -m benchmarks.ops

@@ -11,17 +11,26 @@ initialised from one seed. A round times one forward + backward (+ AdamW step wi
 a variant is its time over the baseline's WITHIN the round, and the report gives the median over
 rounds with the range. Rounds cancel slow drifts of a shared machine (frequency, other load) that
 a ratio of separate medians would not. Checked before timing: every variant's loss is finite.
+
+How sure a run is: each median comes with a 95 % bootstrap interval (rounds resampled with
+replacement) and the number of rounds at which that interval would narrow to +-2 points. Once
+per round a fixed workload (a matmul and a copy, ~0.2 s on CPU) is timed too: its scatter is the
+machine's own noise, which no choice of kernels removes. ``--from-json PATH [PATH...]``
+re-prints saved runs' table with these statistics, pooling the rounds of several runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
+import random
 import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -167,6 +176,68 @@ def _timed(step, device) -> float:
     return time.perf_counter() - t0
 
 
+def _probe(device) -> Callable[[], None]:
+    """A fixed workload (a matmul and a copy) whose time moves only with the machine."""
+    a = torch.randn(512, 512, device=device)
+    x = torch.empty(8 * 2**20, device=device)  # 32 MB fp32
+    y = torch.empty_like(x)
+
+    def run():
+        for _ in range(8):
+            torch.mm(a, a)
+            y.copy_(x)
+
+    return run
+
+
+def median_interval(values, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95 % bootstrap interval of the median of ``values`` (deterministic: seeded)."""
+    rng = random.Random(seed)
+    n = len(values)
+    meds = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
+    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
+
+
+def rounds_for(values, halfwidth: float = 2.0) -> int | None:
+    """Rounds at which the median's 95 % interval would be +-``halfwidth`` points (the
+    interval narrows as 1/sqrt(rounds)); None when the interval is degenerate."""
+    lo, hi = median_interval(values)
+    if hi - lo <= 0:
+        return None
+    return math.ceil(len(values) * ((hi - lo) / 2 / halfwidth) ** 2)
+
+
+def summarize(times: dict[str, list[float]], variants, shape: Shape) -> dict:
+    """Per variant: step seconds per round, overhead % over the baseline per round, median,
+    range, 95 % interval of the median and the rounds a +-2-point interval needs."""
+    result = {}
+    for name in variants:
+        pct = [100 * (t / b - 1) for t, b in zip(times[name], times["baseline"], strict=True)]
+        lo, hi = median_interval(pct)
+        result[name] = {
+            "variant": parse_variant(name),
+            "step_s": times[name],
+            "median_step_s": statistics.median(times[name]),
+            "overhead_pct": pct,
+            "median_overhead_pct": statistics.median(pct),
+            "min_overhead_pct": min(pct),
+            "max_overhead_pct": max(pct),
+            "ci95_overhead_pct": [lo, hi],
+            "rounds_for_2_points": None if name == "baseline" else rounds_for(pct),
+            "tokens_per_s": shape.batch * shape.seq / statistics.median(times[name]),
+        }
+    return result
+
+
+def noise(probe_s: list[float]) -> dict:
+    """The fixed workload's scatter: robust standard deviation (1.4826 MAD) in % of its median."""
+    med = statistics.median(probe_s)
+    dev = [100 * (t / med - 1) for t in probe_s]
+    mad = statistics.median(abs(d) for d in dev)
+    return {"probe_s": probe_s, "median_s": med, "robust_sd_pct": 1.4826 * mad,
+            "min_pct": min(dev), "max_pct": max(dev)}  # fmt: skip
+
+
 def measure(
     shape: Shape,
     *,
@@ -180,8 +251,8 @@ def measure(
     compile_: bool = True,
     progress=print,
 ) -> dict:
-    """Per variant: step seconds per round, overhead % over the baseline per round, median and
-    range. ``variants`` must include ``"baseline"``."""
+    """``summarize`` of the timed rounds, plus ``"_machine_noise"``: ``noise`` of the fixed
+    workload timed once per round. ``variants`` must include ``"baseline"``."""
     if "baseline" not in variants:
         raise ValueError("variants must include 'baseline' (ratios are taken against it)")
     for name in variants:
@@ -202,46 +273,76 @@ def measure(
         steps[name] = step
         progress(f"  built + warmed {name:<15} {time.perf_counter() - t0:6.1f} s")
     times = {n: [] for n in variants}
+    probe, probe_s = _probe(device), []
+    probe()
     order = list(variants)
     for r in range(rounds):
         k = r % len(order)
         for name in order[k:] + order[:k]:
             times[name].append(_timed(steps[name], device))
+        probe_s.append(_timed(probe, device))
         base = times["baseline"][-1]
         progress(
             f"  round {r + 1}/{rounds}: "
             + " ".join(f"{n} {100 * (times[n][-1] / base - 1):+.1f}%" for n in variants[1:])
+            + f" (fixed workload {probe_s[-1]:.3f} s)"
         )
-    result = {}
-    for name in variants:
-        pct = [100 * (t / b - 1) for t, b in zip(times[name], times["baseline"], strict=True)]
-        result[name] = {
-            "variant": parse_variant(name),
-            "step_s": times[name],
-            "median_step_s": statistics.median(times[name]),
-            "overhead_pct": pct,
-            "median_overhead_pct": statistics.median(pct),
-            "min_overhead_pct": min(pct),
-            "max_overhead_pct": max(pct),
-            "tokens_per_s": shape.batch * shape.seq / statistics.median(times[name]),
-        }
-    return result
+    return {**summarize(times, variants, shape), "_machine_noise": noise(probe_s)}
 
 
 def table(result: dict) -> str:
     lines = [
         f"{'variant':<16}{'(variant, blocks, r)':<26}{'median step s':>14}{'overhead':>10}"
-        f"{'range':>18}{'tokens/s':>11}",
+        f"{'95% interval':>18}{'range':>18}{'rounds for +-2':>15}{'tokens/s':>11}",
     ]
     for name, r in result.items():
+        if name.startswith("_"):
+            continue
         span = f"[{r['min_overhead_pct']:+.1f}, {r['max_overhead_pct']:+.1f}]"
+        ci = "[{:+.1f}, {:+.1f}]".format(*r["ci95_overhead_pct"])
+        need = r["rounds_for_2_points"]
         lines.append(
             f"{name:<16}{str(tuple(r['variant'])):<26}{r['median_step_s']:>14.4f}"
             f"{r['median_overhead_pct']:>+9.1f}%"
-            f"{span:>18}"
+            f"{ci:>18}{span:>18}{'-' if need is None else need:>15}"
             f"{r['tokens_per_s']:>11.0f}"
         )
+    m = result.get("_machine_noise")
+    if m is not None:
+        lines.append(
+            f"machine noise: a fixed workload of {m['median_s']:.3f} s scattered "
+            f"{m['robust_sd_pct']:.1f} % (robust sd) [{m['min_pct']:+.1f}, {m['max_pct']:+.1f}] "
+            f"over {len(m['probe_s'])} rounds"
+        )
     return "\n".join(lines)
+
+
+_SAME = ("layers", "dim", "seq", "heads", "batch", "vocab", "hidden", "device", "dtype",
+         "optimizer", "cuda_graphs", "no_compile", "system_malloc")  # fmt: skip
+
+
+def rescore(paths: list[str]) -> dict:
+    """Saved runs re-summarized, their rounds pooled (each round's ratio stands alone, so runs
+    of one configuration pool into one sample). Refuses runs of different configurations."""
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    c = runs[0]["config"]
+    names = [n for n in runs[0]["result"] if not n.startswith("_")]
+    for path, run in zip(paths, runs, strict=True):
+        diff = [k for k in _SAME if run["config"].get(k) != c.get(k)]
+        if diff or [n for n in run["result"] if not n.startswith("_")] != names:
+            raise ValueError(
+                f"{path} is not a run of {paths[0]}'s configuration ({diff or 'variants'})"
+            )
+    shape = Shape(c["layers"], c["dim"], c["seq"], c["heads"], c["batch"], c["vocab"], c["hidden"])
+    out = summarize({n: [t for run in runs for t in run["result"][n]["step_s"]] for n in names},
+                    names, shape)  # fmt: skip
+    probes = [t for run in runs for t in run["result"].get("_machine_noise", {}).get("probe_s", [])]
+    if probes:
+        out["_machine_noise"] = noise(probes)
+    return out
 
 
 def main(argv=None) -> int:
@@ -268,7 +369,18 @@ def main(argv=None) -> int:
     )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument(
+        "--from-json", nargs="+", default=None, metavar="PATH",
+        help="print saved runs' table (several: their rounds pooled); time nothing",
+    )  # fmt: skip
     a = p.parse_args(argv)
+    if a.from_json:
+        try:
+            print(table(rescore(a.from_json)))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"overhead: {e}", file=sys.stderr)
+            return 2
+        return 0
     if a.cuda_graphs and torch.device(a.device).type != "cuda":
         p.error("--cuda-graphs needs --device cuda")
     if a.rounds < 1:

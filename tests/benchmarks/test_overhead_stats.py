@@ -1,0 +1,63 @@
+"""The overhead benchmark's statistics: bootstrap interval of the median, rounds needed for
++-2 points, machine-noise summary, and pooling saved runs (refusing different configurations)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks import overhead
+
+ratios = st.lists(st.floats(-50, 50, allow_nan=False), min_size=3, max_size=40)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ratios)
+def test_interval_holds_the_median_and_is_deterministic(values):
+    lo, hi = overhead.median_interval(values)
+    assert min(values) <= lo <= statistics.median(values) <= hi <= max(values)
+    assert overhead.median_interval(values) == (lo, hi)
+
+
+def test_interval_narrows_with_rounds_and_rounds_for_two_points():
+    wide = [(-1) ** i * (i % 7) * 3.0 for i in range(10)]
+    lo1, hi1 = overhead.median_interval(wide)
+    lo4, hi4 = overhead.median_interval(wide * 4)
+    assert hi4 - lo4 < hi1 - lo1
+    need = overhead.rounds_for(wide)
+    assert need == pytest.approx(10 * ((hi1 - lo1) / 4) ** 2, abs=1)
+    assert overhead.rounds_for([5.0] * 9) is None  # no scatter: no estimate
+
+
+def test_noise_is_the_robust_spread_of_the_fixed_workload():
+    n = overhead.noise([1.0, 1.0, 1.1, 0.9, 1.0])
+    assert n["median_s"] == 1.0
+    assert n["robust_sd_pct"] == pytest.approx(0.0)
+    assert n["min_pct"] == pytest.approx(-10) and n["max_pct"] == pytest.approx(10)
+
+
+def _run(path, steps, **config):
+    shape = dict(layers=2, dim=8, seq=4, heads=1, batch=1, vocab=16, hidden=64)
+    shape.update(config)
+    result = {name: {"step_s": s} for name, s in steps.items()}
+    path.write_text(json.dumps({"config": shape, "result": result}))
+    return str(path)
+
+
+def test_saved_runs_pool_their_rounds(tmp_path, capsys):
+    a = _run(tmp_path / "a.json", {"baseline": [1.0, 1.0], "sliced8_r64": [1.1, 1.2]})
+    b = _run(tmp_path / "b.json", {"baseline": [2.0], "sliced8_r64": [2.2]})
+    pooled = overhead.rescore([a, b])
+    assert pooled["sliced8_r64"]["overhead_pct"] == pytest.approx([10, 20, 10])
+    assert pooled["sliced8_r64"]["median_overhead_pct"] == pytest.approx(10)
+    assert overhead.main(["--from-json", a, b]) == 0
+    assert "sliced8_r64" in capsys.readouterr().out
+    c = _run(tmp_path / "c.json", {"baseline": [1.0], "sliced8_r64": [1.0]}, seq=8)
+    with pytest.raises(ValueError, match="seq"):
+        overhead.rescore([a, c])
+    assert overhead.main(["--from-json", a, c]) == 2
+    assert "not a run of" in capsys.readouterr().err
