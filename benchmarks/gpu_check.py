@@ -207,6 +207,7 @@ def step_ratios(res, device, dry, cuda_graphs):
         progress=lambda m: print(tag, m, flush=True),
     )  # fmt: skip
     res["overhead_pct"] = {v: res["result"][v]["median_overhead_pct"] for v in VARIANTS[1:]}
+    res["overhead_ci95_pct"] = {v: res["result"][v]["ci95_overhead_pct"] for v in VARIANTS[1:]}
     res["table"] = overhead.table(res["result"])
 
 

@@ -14,9 +14,10 @@ a ratio of separate medians would not. Checked before timing: every variant's lo
 
 How sure a run is: each median comes with a 95 % bootstrap interval (rounds resampled with
 replacement) and the number of rounds at which that interval would narrow to +-2 points. Once
-per round a fixed workload (a matmul and a copy, ~0.2 s on CPU) is timed too: its scatter is the
-machine's own noise, which no choice of kernels removes. ``--from-json PATH [PATH...]``
-re-prints saved runs' table with these statistics, pooling the rounds of several runs.
+per round a fixed workload (matmuls and a 32 MB copy, ~0.04 s on the 2-core CPU) is timed too:
+its scatter is the machine's own noise, which no choice of kernels removes. ``--from-json PATH
+[PATH...]`` re-prints saved runs' table with these statistics, pooling the rounds of several
+runs.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def _timed(step, device) -> float:
 
 
 def _probe(device) -> Callable[[], None]:
-    """A fixed workload (a matmul and a copy) whose time moves only with the machine."""
+    """A fixed workload (matmuls and a copy) whose time moves only with the machine."""
     a = torch.randn(512, 512, device=device)
     x = torch.empty(8 * 2**20, device=device)  # 32 MB fp32
     y = torch.empty_like(x)

@@ -60,6 +60,8 @@ def test_dry_run_runs_every_section(tmp_path):
     assert "CUDA" in r["step_ratios_cuda_graphs"]["skipped"]
     assert r["trainer"]["rc"] == 0 and r["trainer"]["summary"]["steps"] == 3
     assert set(r["step_ratios"]["overhead_pct"]) == {"sliced8_r64", "projected8_r32"}
+    for v, (lo, hi) in r["step_ratios"]["overhead_ci95_pct"].items():
+        assert lo <= r["step_ratios"]["overhead_pct"][v] <= hi
     ratios = r["decode"]["decode_ratio"]  # every variant, both batch sizes, vs the baseline
     assert list(ratios) == ["B=1", "B=2"] and all(b["baseline"] == 1.0 for b in ratios.values())
     assert all(set(b) == set(r["decode"]["config"]["variants"]) for b in ratios.values())
