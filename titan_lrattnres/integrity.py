@@ -52,27 +52,35 @@ class CheckpointIntegrityError(RuntimeError):
 
 
 # -- saving -------------------------------------------------------------------------------------
-def _rank() -> int:
+def rank() -> int:
+    """This process's global rank (0 without a process group)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _write(folder: Path, body: dict) -> None:
-    tmp = folder / (RECORD + ".tmp")
+def write_json(path: Path, body: dict, indent: int = 1) -> None:
+    """``body`` as JSON at ``path``, atomically and durably (temporary file, fsync,
+    ``os.replace``, fsync of the folder): a reader sees the old file or the new, never a part."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"format": FORMAT, "version": VERSION, **body}, f, indent=1, sort_keys=True)
+        json.dump(body, f, indent=indent, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, folder / RECORD)
-    fd = os.open(folder, os.O_RDONLY)
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself
     finally:
         os.close(fd)
 
 
+def _write(folder: Path, body: dict) -> None:
+    write_json(folder / RECORD, {"format": FORMAT, "version": VERSION, **body})
+
+
 def begin(folder: str | Path) -> None:
     """Before a save (every rank calls it; rank 0 writes): mark ``folder`` as being saved."""
-    if _rank() == 0:
+    if rank() == 0:
         Path(folder).mkdir(parents=True, exist_ok=True)
         _write(Path(folder), {"complete": False, "algorithm": ALGORITHM, "files": {}})
 
@@ -81,11 +89,11 @@ def record(folder: str | Path) -> None:
     """After a save has finished on every rank (collective when a process group is up): write
     the complete record of ``folder``."""
     folder, distributed = Path(folder), dist.is_initialized()
-    names = [_files(folder) if _rank() == 0 else None]
+    names = [_files(folder) if rank() == 0 else None]
     if distributed:
         dist.broadcast_object_list(names, src=0)
     digests = _digests(folder, names[0], distributed)
-    if _rank() == 0:
+    if rank() == 0:
         files = {n: {"size": (folder / n).stat().st_size, ALGORITHM: digests[n]} for n in names[0]}
         _write(folder, {"complete": True, "algorithm": ALGORITHM, "files": files})
     if distributed:
@@ -238,7 +246,7 @@ def resume_folder(folder: str | Path, *, distributed: bool = False) -> Path | No
             f"no intact checkpoint to resume from: {damaged[0]}{more}. Move the damaged step "
             f"folders out of {folder} to start afresh"
         )
-    if _rank() == 0:
+    if rank() == 0:
         for path, why in rejected:
             log.warning(f"resume: skipping {why}; moved it to {_move_aside(path)}")
     if distributed:

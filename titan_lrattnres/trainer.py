@@ -72,10 +72,6 @@ def check_fingerprint(folder: str, current: dict) -> None:
         )
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _fmt_time(s: float) -> str:
     s = int(max(s, 0))
     return (
@@ -150,7 +146,7 @@ class LRAttnResTrainer(Trainer):
             tok_s = (self.history[-1]["tokens"] - self.history[0]["tokens"]) / max(
                 now - self._train_t0, 1e-9
             )
-            if _rank() == 0:
+            if integrity.rank() == 0:
                 logger.info(
                     f"[progress] step {step}/{total} ({100 * step / total:.0f}%)  "
                     f"loss {global_avg_loss:.4f}  {tok_s:,.0f} tok/s  "
@@ -290,12 +286,9 @@ class LRAttnResTrainer(Trainer):
                 os.path.dirname(config.checkpoint.initial_load_path.rstrip("/")),
                 self._fingerprint(),
             )
-        if _rank() == 0:  # atomically: the other ranks may be reading it in check_fingerprint
+        if integrity.rank() == 0:  # atomically: other ranks may be reading it (check_fingerprint)
             os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, FINGERPRINT_FILE)
-            with open(path + ".tmp", "w") as f:
-                json.dump(self._fingerprint(), f, indent=2, sort_keys=True)
-            os.replace(path + ".tmp", path)
+            integrity.write_json(Path(folder) / FINGERPRINT_FILE, self._fingerprint(), indent=2)
 
     def train(self):
         config = self.config
@@ -308,7 +301,7 @@ class LRAttnResTrainer(Trainer):
                 raise NonFiniteLossError(self._nan_message(self.step)) from e
             raise
         self._record_last_save()
-        if _rank() == 0:
+        if integrity.rank() == 0:
             from titan_lrattnres.summary import write_summary
 
             write_summary(self)
