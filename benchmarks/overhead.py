@@ -199,13 +199,13 @@ def median_interval(values, resamples: int = 2000, seed: int = 0) -> tuple[float
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
-def rounds_for(values, halfwidth: float = 2.0) -> int | None:
-    """Rounds at which the median's 95 % interval would be +-``halfwidth`` points (the
-    interval narrows as 1/sqrt(rounds)); None when the interval is degenerate."""
-    lo, hi = median_interval(values)
+def rounds_for(rounds: int, interval: tuple[float, float], halfwidth: float = 2.0) -> int | None:
+    """Rounds at which a median's 95 % ``interval`` from ``rounds`` rounds would be
+    +-``halfwidth`` points (it narrows as 1/sqrt(rounds)); None when it is degenerate."""
+    lo, hi = interval
     if hi - lo <= 0:
         return None
-    return math.ceil(len(values) * ((hi - lo) / 2 / halfwidth) ** 2)
+    return math.ceil(rounds * ((hi - lo) / 2 / halfwidth) ** 2)
 
 
 def summarize(times: dict[str, list[float]], variants, shape: Shape) -> dict:
@@ -224,7 +224,7 @@ def summarize(times: dict[str, list[float]], variants, shape: Shape) -> dict:
             "min_overhead_pct": min(pct),
             "max_overhead_pct": max(pct),
             "ci95_overhead_pct": [lo, hi],
-            "rounds_for_2_points": None if name == "baseline" else rounds_for(pct),
+            "rounds_for_2_points": None if name == "baseline" else rounds_for(len(pct), (lo, hi)),
             "tokens_per_s": shape.batch * shape.seq / statistics.median(times[name]),
         }
     return result

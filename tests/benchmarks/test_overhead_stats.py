@@ -28,9 +28,10 @@ def test_interval_narrows_with_rounds_and_rounds_for_two_points():
     lo1, hi1 = overhead.median_interval(wide)
     lo4, hi4 = overhead.median_interval(wide * 4)
     assert hi4 - lo4 < hi1 - lo1
-    need = overhead.rounds_for(wide)
+    need = overhead.rounds_for(len(wide), (lo1, hi1))
     assert need == pytest.approx(10 * ((hi1 - lo1) / 4) ** 2, abs=1)
-    assert overhead.rounds_for([5.0] * 9) is None  # no scatter: no estimate
+    flat = [5.0] * 9
+    assert overhead.rounds_for(9, overhead.median_interval(flat)) is None  # no scatter
 
 
 def test_noise_is_the_robust_spread_of_the_fixed_workload():
