@@ -61,6 +61,13 @@ def _cpu_identity() -> str:
 @functools.cache
 def library():
     """The compiled library, or None (with one warning) when it cannot be built."""
+    return build(_SOURCE)
+
+
+def build(source: Path):
+    """Compile the C file ``source`` (cached by its hash and this CPU) and load it; None, with
+    one warning, when there is no compiler or the build fails. ``library()`` builds this
+    package's own ``depth_read.c``; ``benchmarks.cpu_kernels`` builds other revisions of it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         warnings.warn("no C compiler: the CPU depth read runs the eager composite", stacklevel=2)
@@ -69,18 +76,18 @@ def library():
     # -march=native: the key includes this CPU's model and flags (a shared cache directory must
     # never hand one machine a library built for another's instruction set)
     ident = " ".join([cc, *flags, platform.machine(), _cpu_identity()])
-    key = hashlib.sha256(_SOURCE.read_bytes() + ident.encode()).hexdigest()
+    key = hashlib.sha256(source.read_bytes() + ident.encode()).hexdigest()
     path = _cache_dir() / f"depth_read-{key[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
             proc = subprocess.run(
-                [cc, *flags, "-o", str(out), str(_SOURCE), "-lm"], capture_output=True, text=True
+                [cc, *flags, "-o", str(out), str(source), "-lm"], capture_output=True, text=True
             )
             if proc.returncode != 0:
                 warnings.warn(
-                    f"building {_SOURCE.name} failed ({proc.stderr.strip()[:300]}): the CPU "
+                    f"building {source.name} failed ({proc.stderr.strip()[:300]}): the CPU "
                     "depth read runs the eager composite",
                     stacklevel=2,
                 )

@@ -1,0 +1,183 @@
+"""The fused CPU kernels (``custom_ops/cpu/depth_read.c``) of the working tree against another
+revision's, side by side in one process.
+
+    python -m benchmarks.cpu_kernels [--against REV] [--reps 40] [--json PATH]
+
+Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags). For each shape
+(the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
+on the same tensors, the two libraries alternating call by call, each call after a 32 MB copy
+that evicts the caches (in a training step the read's data is cold). The report is the median
+of each and their ratio, with the largest relative difference between the two libraries' results
+(the work timed is the same). This machine's noise moves single calls by tens of percent; the
+alternation keeps it out of the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from custom_ops import cpu
+
+# name: (keys, S sources, C sites, tokens, d, r); "standard" is r = d with the value as key
+SHAPES = {
+    "L24 sliced": ("sliced", 9, 6, 512, 1024, 64),
+    "L24 projected": ("projected", 9, 6, 512, 1024, 32),
+    "L24 standard": ("standard", 9, 6, 512, 1024, 1024),
+    "L24 sliced S=4": ("sliced", 4, 6, 512, 1024, 64),
+    "L12 sliced": ("sliced", 9, 3, 1024, 512, 64),
+}
+KERNELS = ("read_fwd", "read_bwd", "merge_fwd", "merge_bwd")
+_REPO = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def _using(lib):
+    """``custom_ops.cpu``'s entry points on ``lib`` instead of the package's own library."""
+    saved = cpu.library
+    cpu.library = lambda: lib
+    try:
+        yield
+    finally:
+        cpu.library = saved
+
+
+def _source_at(rev: str, folder: Path) -> Path:
+    path = folder / f"depth_read-{rev.replace('/', '_')}.c"
+    proc = subprocess.run(
+        ["git", "show", f"{rev}:custom_ops/cpu/depth_read.c"],
+        capture_output=True, text=True, cwd=_REPO,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        why = (proc.stderr.strip().splitlines() or ["git failed"])[0]
+        raise ValueError(f"no custom_ops/cpu/depth_read.c at {rev!r} ({why})")
+    path.write_text(proc.stdout)
+    return path
+
+
+def _calls(keys: str, S: int, C: int, T: int, d: int, r: int, seed: int = 0):
+    """The four entry points as closures over one set of inputs."""
+    g = torch.Generator().manual_seed(seed)
+    vals = [torch.randn(T, d, generator=g) for _ in range(S)]
+    ks = {"sliced": None, "standard": vals}.get(keys)
+    if keys == "projected":
+        ks = [torch.randn(T, r, generator=g) for _ in range(S)]
+    q = torch.randn(C, r, generator=g)
+    out, lse = cpu.read_fwd(vals, ks, q, 1e-6)
+    dout, dlse = torch.randn(C, T, d, generator=g), torch.randn(C, T, generator=g)
+    o1, l1, pv = out[0].clone(), lse[0].clone(), torch.randn(T, d, generator=g)
+    pk = {"sliced": None, "standard": pv}.get(keys)
+    if keys == "projected":
+        pk = torch.randn(T, r, generator=g)
+    h, _ = cpu.merge_fwd(o1, l1, pv, pk, q[0], 1e-6, False)
+    gh = torch.randn(T, d, generator=g)
+    return {
+        "read_fwd": lambda: cpu.read_fwd(vals, ks, q, 1e-6),
+        "read_bwd": lambda: cpu.read_bwd(vals, ks, q, lse, dout, dlse, 1e-6),
+        "merge_fwd": lambda: cpu.merge_fwd(o1, l1, pv, pk, q[0], 1e-6, False),
+        "merge_bwd": lambda: cpu.merge_bwd(o1, l1, pv, pk, q[0], h, gh, None, 1e-6),
+    }
+
+
+def _flat(result) -> list[torch.Tensor]:
+    if isinstance(result, torch.Tensor):
+        return [result]
+    return [t for x in result if x is not None for t in _flat(x)]
+
+
+def _rel_diff(a, b) -> float:
+    worst = 0.0
+    for x, y in zip(_flat(a), _flat(b), strict=True):
+        if y.numel() == 0:  # the merge's norm when not asked for
+            continue
+        scale = y.double().abs().max().clamp_min(1e-30)
+        worst = max(worst, ((x.double() - y.double()).abs().max() / scale).item())
+    return worst
+
+
+def compare(libs: dict, reps: int) -> list[dict]:
+    """Rows of ``{shape, kernel, <lib> ms..., ratio, rel_diff}``; ratio = second / first."""
+    (a_name, a_lib), (b_name, b_lib) = libs.items()
+    flush = torch.empty(8 * 2**20)
+    sink = torch.empty_like(flush)
+
+    def once(fn, lib):
+        with _using(lib):
+            sink.copy_(flush)
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+    rows = []
+    for shape, spec in SHAPES.items():
+        with _using(a_lib):
+            calls = _calls(*spec)
+        for kernel in KERNELS:
+            fn = calls[kernel]
+            with _using(a_lib):
+                ref = fn()
+            with _using(b_lib):
+                diff = _rel_diff(fn(), ref)
+            for lib in (a_lib, b_lib, a_lib, b_lib):  # warm-up
+                once(fn, lib)
+            times = {a_name: [], b_name: []}
+            for rep in range(reps):
+                order = ((a_name, a_lib), (b_name, b_lib))
+                for name, lib in order if rep % 2 else order[::-1]:
+                    times[name].append(once(fn, lib))
+            ta, tb = (statistics.median(times[n]) * 1e3 for n in (a_name, b_name))
+            rows.append(
+                {"shape": shape, "kernel": kernel, a_name: ta, b_name: tb, "ratio": tb / ta,
+                 "rel_diff": diff}
+            )  # fmt: skip
+            print(
+                f"  {shape:15s} {kernel:9s} {ta:7.2f} -> {tb:7.2f} ms ({tb / ta:.2f}x, "
+                f"results differ by {diff:.1e})",
+                flush=True,
+            )
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
+    p.add_argument("--reps", type=int, default=40, help="calls of each library per kernel")
+    p.add_argument("--json", default=None, help="write the result here")
+    a = p.parse_args(argv)
+    if a.reps < 1:
+        p.error("--reps must be >= 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            source = _source_at(a.against, Path(tmp))
+        except ValueError as e:
+            print(f"cpu_kernels: {e}", file=sys.stderr)
+            return 2
+        libs = {a.against: cpu.build(source), "tree": cpu.library()}
+    if any(lib is None for lib in libs.values()):
+        print("cpu_kernels: a library did not build (see the warning)", file=sys.stderr)
+        return 2
+    print(
+        f"cpu_kernels: {a.against} -> working tree, {a.reps} alternating calls each, "
+        f"{torch.get_num_threads()} threads"
+    )
+    rows = compare(libs, a.reps)
+    if a.json:
+        meta = {"against": a.against, "reps": a.reps, "threads": torch.get_num_threads(),
+                "torch": torch.__version__, "shapes": SHAPES}  # fmt: skip
+        with open(a.json, "w") as f:
+            json.dump({"config": meta, "rows": rows}, f, indent=1)
+        print(f"wrote {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

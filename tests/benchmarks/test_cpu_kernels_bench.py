@@ -1,0 +1,33 @@
+"""``benchmarks.cpu_kernels``: the A/B of two builds of the CPU kernels runs, times the same work
+in both (results compared), and refuses a revision without the kernel source in one line."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import cpu_kernels
+from custom_ops import cpu
+
+
+def test_compare_times_every_kernel_of_both_libraries(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "SHAPES", {"tiny": ("projected", 3, 2, 70, 40, 8)})
+    lib = cpu.library()
+    assert lib is not None
+    rows = cpu_kernels.compare({"a": lib, "b": lib}, reps=2)
+    assert [r["kernel"] for r in rows] == list(cpu_kernels.KERNELS)
+    for r in rows:
+        assert r["a"] > 0 and r["b"] > 0 and r["ratio"] == pytest.approx(r["b"] / r["a"])
+        assert r["rel_diff"] == 0.0  # one library against itself: bit for bit
+    assert cpu.library() is lib  # the package's own library is back
+
+
+def test_the_kernels_of_a_revision_build(tmp_path):
+    source = cpu_kernels._source_at("HEAD", tmp_path)
+    assert cpu.build(source) is not None
+
+
+def test_a_revision_without_the_kernels_is_refused(capsys):
+    assert cpu_kernels.main(["--against", "no-such-revision-xyz"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cpu_kernels: no custom_ops/cpu/depth_read.c at 'no-such-revision-xyz'")
+    assert "\n" not in err
