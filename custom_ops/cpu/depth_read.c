@@ -49,6 +49,12 @@ static double sumsq(const float *k, int64_t n) {
     return s;
 }
 
+/* Hint row [0, n) of floats into L2 (the next token's, while this one is computed: the
+ * hardware prefetchers alone leave the kernels well short of the copy bandwidth). */
+static void prefetch_row(const float *row, int64_t n) {
+    for (int64_t b = 0; b < n; b += 16) __builtin_prefetch(row + b, 0, 2);
+}
+
 /* rstd of one key row and its logits against the C queries: l[c] = rstd * <q_c, k>. */
 static float key_logits(const float *k, const float *q, int64_t C, int64_t r, double eps,
                         float *l) {
@@ -88,6 +94,8 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
             float inv_z = (float)(1.0 / z);
             for (int64_t s = 0; s < S; s++) l[s * C + c] *= inv_z;
         }
+        if (i + 1 < t1)
+            for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
         for (int64_t c = 0; c < C; c++) {
             float *o = out + (c * n + i) * d;
             float a = l[c];
@@ -159,6 +167,10 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
             }
             for (int64_t s = 0; s < S; s++) a[s * C + c] = (float)(a[s * C + c] / z);
         }
+        if (i + 1 < t1) {
+            for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
+            for (int64_t c = 0; dout && c < C; c++) prefetch_row(dout + (c * n + i + 1) * d, d);
+        }
         for (int64_t s = 0; s < S; s++) { /* dl holds da = <dh_c, v_s> until rescaled below */
             float *g = gv[s] + i * d;
             if (dout) {
@@ -203,6 +215,10 @@ static void merge_fwd_range(int64_t n, int64_t d, int64_t r, const float *o1, in
                double eps, double norm_eps, float *h, float *norm, int64_t t0, int64_t t1) {
     (void)n; /* rows are addressed through their strides; n is the tensors' row count */
     for (int64_t i = t0; i < t1; i++) {
+        if (i + 1 < t1) {
+            prefetch_row(o1 + (i + 1) * o1s, d);
+            prefetch_row(pv + (i + 1) * pvs, d);
+        }
         float logit, rstd;
         float w1, w2 = merge_weight(pk + i * pks, q, r, eps, lse1[i], &logit, &rstd, &w1);
         const float *a = o1 + i * o1s, *b = pv + i * pvs;
@@ -227,6 +243,15 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
     (void)n;
     float *dh = malloc(sizeof(float) * d);
     for (int64_t i = t0; i < t1; i++) {
+        if (i + 1 < t1) {
+            prefetch_row(o1 + (i + 1) * o1s, d);
+            prefetch_row(pv + (i + 1) * pvs, d);
+            if (gh) prefetch_row(gh + (i + 1) * d, d);
+            if (gn) {
+                prefetch_row(gn + (i + 1) * d, d);
+                prefetch_row(h + (i + 1) * d, d);
+            }
+        }
         float logit, rstd;
         const float *k = pk + i * pks;
         float w1, w2 = merge_weight(k, q, r, eps, lse1[i], &logit, &rstd, &w1);
