@@ -2,6 +2,7 @@
 revision's, side by side in one process.
 
     python -m benchmarks.cpu_kernels [--against REV] [--reps 40] [--json PATH]
+    python -m benchmarks.cpu_kernels --model 24,1024,512 [--variants block8,...] [--steps 10]
 
 Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags). For each shape
 (the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
@@ -10,6 +11,11 @@ that evicts the caches (in a training step the read's data is cold). The report 
 of each and their ratio, with the largest relative difference between the two libraries' results
 (the work timed is the same). This machine's noise moves single calls by tens of percent; the
 alternation keeps it out of the ratio.
+
+``--model LAYERS,DIM,SEQ`` times the project's own model instead (``benchmarks.overhead.build``:
+sublayers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
+steps alternating between the two libraries (the compiled sublayers are shared, only the depth
+read's C code differs), so the ratio is what the kernel change does to a training step.
 """
 
 from __future__ import annotations
@@ -147,14 +153,64 @@ def compare(libs: dict, reps: int) -> list[dict]:
     return rows
 
 
+def compare_model(libs: dict, shape, variants, steps: int, compile_: bool = True) -> list[dict]:
+    """Rows of ``{variant, <lib> s..., ratio, loss_rel_diff}`` for whole training steps
+    (``compile_=False``: eager sublayers, for tests)."""
+    from benchmarks.overhead import Step, _timed, build
+
+    (a_name, a_lib), (b_name, b_lib) = libs.items()
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g)
+    tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
+    rows = []
+    for name in variants:
+        model = build(name, shape, "cpu", torch.float32, compile_)
+        step = Step(model, tokens, targets, False, False)
+        loss = {}
+        for lib_name, lib in libs.items():  # warm-up; no optimizer: the weights stay put
+            with _using(lib):
+                step()
+                loss[lib_name] = step().item()
+        times = {a_name: [], b_name: []}
+        for rep in range(steps):
+            order = ((a_name, a_lib), (b_name, b_lib))
+            for lib_name, lib in order if rep % 2 else order[::-1]:
+                with _using(lib):
+                    times[lib_name].append(_timed(step, "cpu"))
+        ta, tb = (statistics.median(times[n]) for n in (a_name, b_name))
+        diff = abs(loss[b_name] - loss[a_name]) / abs(loss[a_name])
+        rows.append({"variant": name, a_name: ta, b_name: tb, "ratio": tb / ta,
+                     "loss_rel_diff": diff})  # fmt: skip
+        print(
+            f"  {name:15s} step {ta:6.3f} -> {tb:6.3f} s ({tb / ta:.3f}x, losses differ by "
+            f"{diff:.1e})",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--against", default="HEAD", help="git revision to compare with (HEAD)")
     p.add_argument("--reps", type=int, default=40, help="calls of each library per kernel")
     p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--model", default=None, metavar="L,D,T", help="time the model's steps")
+    p.add_argument("--variants", default="block8,sliced8_r64,projected8_r32")
+    p.add_argument("--steps", type=int, default=10, help="steps of each library per variant")
     a = p.parse_args(argv)
-    if a.reps < 1:
-        p.error("--reps must be >= 1")
+    if a.reps < 1 or a.steps < 1:
+        p.error("--reps and --steps must be >= 1")
+    shape = None
+    if a.model is not None:
+        from benchmarks.overhead import Shape, parse_variant
+
+        try:
+            layers, dim, seq = (int(x) for x in a.model.split(","))
+            for name in a.variants.split(","):
+                parse_variant(name)
+        except ValueError as e:
+            p.error(f"--model wants LAYERS,DIM,SEQ and known --variants ({e})")
+        shape = Shape(layers, dim, seq, heads=max(1, dim // 64))
     with tempfile.TemporaryDirectory() as tmp:
         try:
             source = _source_at(a.against, Path(tmp))
@@ -165,14 +221,22 @@ def main(argv=None) -> int:
     if any(lib is None for lib in libs.values()):
         print("cpu_kernels: a library did not build (see the warning)", file=sys.stderr)
         return 2
-    print(
-        f"cpu_kernels: {a.against} -> working tree, {a.reps} alternating calls each, "
-        f"{torch.get_num_threads()} threads"
-    )
-    rows = compare(libs, a.reps)
+    if shape is not None:
+        from titan_lrattnres.cpu import keep_freed_memory
+
+        keep_freed_memory()  # what the CPU trainer runs with
+        print(f"cpu_kernels: {a.against} -> working tree, {shape}, {a.steps} steps each")
+        rows = compare_model(libs, shape, a.variants.split(","), a.steps)
+    else:
+        print(
+            f"cpu_kernels: {a.against} -> working tree, {a.reps} alternating calls each, "
+            f"{torch.get_num_threads()} threads"
+        )
+        rows = compare(libs, a.reps)
     if a.json:
         meta = {"against": a.against, "reps": a.reps, "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "shapes": SHAPES}  # fmt: skip
+                "torch": torch.__version__, "shapes": SHAPES, "model": a.model,
+                "variants": a.variants, "steps": a.steps}  # fmt: skip
         with open(a.json, "w") as f:
             json.dump({"config": meta, "rows": rows}, f, indent=1)
         print(f"wrote {a.json}")

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from custom_ops.layout import rows
+
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
 NORM_EPS = torch.finfo(torch.float32).eps
 _SOURCE = Path(__file__).with_name("depth_read.c")
@@ -110,20 +112,14 @@ def _usable(*tensors) -> bool:
     )
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """``[..., w]`` as ``[n, w]`` with unit column stride (a copy only if it must)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
-
-
 def _table(tensors, ctype):
     return (ctype * len(tensors))(*tensors)
 
 
 def _sources(values, keys):
     """Row views (kept alive by the caller) and the ctypes pointer / stride tables."""
-    v2 = [_rows(v) for v in values]
-    k2 = v2 if keys is None else [_rows(k) for k in keys]
+    v2 = [rows(v) for v in values]
+    k2 = v2 if keys is None else [rows(k) for k in keys]
     tables = (
         _table([v.data_ptr() for v in v2], _P),
         _table([v.stride(0) for v in v2], _I),
@@ -181,8 +177,8 @@ def _merge_inputs(out1, lse1, partial_value, partial_key, query):
     value's tail when sliced)."""
     q = query.float().contiguous()
     rank = q.shape[-1]
-    o1, pv = _rows(out1), _rows(partial_value)
-    pk = pv[:, pv.shape[-1] - rank :] if partial_key is None else _rows(partial_key)
+    o1, pv = rows(out1), rows(partial_value)
+    pk = pv[:, pv.shape[-1] - rank :] if partial_key is None else rows(partial_key)
     n, d = pv.shape
     return q, o1, pv, pk, lse1.reshape(n).contiguous(), n, d, rank
 

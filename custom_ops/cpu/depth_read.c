@@ -49,8 +49,9 @@ static double sumsq(const float *k, int64_t n) {
     return s;
 }
 
-/* Hint row [0, n) of floats into L2 (the next token's, while this one is computed: the
- * hardware prefetchers alone leave the kernels well short of the copy bandwidth). */
+/* Hint row [0, n) of floats into L2: the next token's, while this one is computed (the reads
+ * and the merge backward measured 0.68-0.95x of their time with the hardware prefetchers alone,
+ * the merge forward the same). */
 static void prefetch_row(const float *row, int64_t n) {
     for (int64_t b = 0; b < n; b += 16) __builtin_prefetch(row + b, 0, 2);
 }
@@ -101,9 +102,9 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
             float a = l[c];
             for (int64_t j = 0; j < d; j++) o[j] = a * v[0][j];
             for (int64_t s = 1; s < S; s++) {
-                const float *vs_ = v[s];
+                const float *row = v[s];
                 a = l[s * C + c];
-                for (int64_t j = 0; j < d; j++) o[j] += a * vs_[j];
+                for (int64_t j = 0; j < d; j++) o[j] += a * row[j];
             }
         }
     }

@@ -1,5 +1,6 @@
-"""Helpers shared by the kernels: 2-D views, sources as kernel arguments, block sizes, launch
-descriptions (host side) and the ``@triton.jit`` pieces the kernels share (inlined by Triton)."""
+"""Helpers shared by the kernels: 2-D views (``custom_ops.layout.rows``), sources as kernel
+arguments, block sizes, launch descriptions (host side) and the ``@triton.jit`` pieces the kernels
+share (inlined by Triton)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from custom_ops.layout import rows
+
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def rows(x: torch.Tensor) -> torch.Tensor:
-    """``[..., w]`` as a ``[T, w]`` view with unit column stride (copies only if it must).
-
-    A copy must be passed to the kernel itself (as ``Sources`` and the launchers do), never just
-    its address, or it is freed before the kernel reads it.
-    """
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def bucket(n: int) -> int:

@@ -1,5 +1,6 @@
-"""``benchmarks.cpu_kernels``: the A/B of two builds of the CPU kernels runs, times the same work
-in both (results compared), and refuses a revision without the kernel source in one line."""
+"""``benchmarks.cpu_kernels``: the A/B of two builds of the CPU kernels runs (kernel calls and
+the model's steps), times the same work in both (results compared), and refuses a revision
+without the kernel source, or a bad model shape or variant, in one line."""
 
 from __future__ import annotations
 
@@ -19,6 +20,25 @@ def test_compare_times_every_kernel_of_both_libraries(monkeypatch):
         assert r["a"] > 0 and r["b"] > 0 and r["ratio"] == pytest.approx(r["b"] / r["a"])
         assert r["rel_diff"] == 0.0  # one library against itself: bit for bit
     assert cpu.library() is lib  # the package's own library is back
+
+
+def test_model_steps_alternate_between_the_libraries():
+    from benchmarks.overhead import Shape
+
+    lib = cpu.library()
+    shape = Shape(layers=1, dim=64, seq=32, heads=2, vocab=256)
+    rows = cpu_kernels.compare_model({"a": lib, "b": lib}, shape, ["sliced2_r16"], 2, False)
+    (row,) = rows
+    assert row["variant"] == "sliced2_r16" and row["a"] > 0 and row["b"] > 0
+    assert row["loss_rel_diff"] == 0.0  # one library against itself
+    assert cpu.library() is lib
+
+
+@pytest.mark.parametrize("bad", [["--model", "24,1024"], ["--model", "2,64,32", "--variants", "x"]])
+def test_bad_model_arguments_are_refused(bad):
+    with pytest.raises(SystemExit) as e:
+        cpu_kernels.main(bad)
+    assert e.value.code == 2
 
 
 def test_the_kernels_of_a_revision_build(tmp_path):
