@@ -1,6 +1,6 @@
 """Phase-2 merge (SPEC §7) of a phase-1 read with the live partial source, and its backward.
 
-Per token: ``ℓ = <q, RMSNorm(k_p)>``, ``w1 = σ(lse1 - ℓ)``, ``w2 = 1 - w1`` (the online-softmax
+Per token: ``ℓ = <q, RMSNorm(k_p)>``, ``w1 = σ(lse1 - ℓ)``, ``w2 = σ(ℓ - lse1)`` (the online-softmax
 rule with ``lse1 = log Z1``), ``h = w1·out1 + w2·v_p`` rounded to v_p's dtype, and optionally the
 parameter-free ``RMSNorm(h)`` of the rounded h (fixed eps = finfo(fp32).eps, see api.merge_partial).
 A program owns BLOCK_T tokens and loops over d tiles; with the norm, h is re-read from cache.
@@ -196,9 +196,11 @@ def _merge_bwd_kernel(
         v = common.load_tile(PV, offs_t, pv_stride, offs_d, mask_t, mask_d)
         dw1 += tl.sum(dh * o1, axis=1)
         dw2 += tl.sum(dh * v, axis=1)
-    big_d = w1 * dw1 + w2 * dw2
-    tl.store(DLSE1 + offs_t, w1 * (dw1 - big_d), mask=mask_t)
-    dlogit = w2 * (dw2 - big_d)
+    # w1·(dw1 - D) with D = w1·dw1 + w2·dw2 is w1·w2·(dw1 - dw2) only if w1 + w2 == 1: for a
+    # small share that difference loses every digit (a 1e-33 partial-key gradient came out 0,
+    # a bf16 lse1 gradient 30x off); the product form keeps them (as the C kernel does)
+    dlogit = w1 * w2 * (dw2 - dw1)
+    tl.store(DLSE1 + offs_t, -dlogit, mask=mask_t)
     g = dlogit * logit * rstd / R
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)

@@ -136,9 +136,12 @@ def grads(outs, ws, inputs):
 
 
 def rmsnorm(x: torch.Tensor, eps: float = DEFAULT_EPS):
-    """``(x · rstd, rstd)`` in float64."""
-    rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
-    return x.double() * rstd, rstd
+    """``(x · rstd, rstd)`` in float64. One cast: with two, autograd rounds each path's gradient
+    to x's dtype before adding them, and for a 16-bit x whose two paths nearly cancel (r = 1:
+    rstd and -x²·rstd³) the oracle's gradient came out 0 in bf16 instead of ~rstd·eps/(x²+eps)."""
+    xd = x.double()
+    rstd = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return xd * rstd, rstd
 
 
 def logits(keys, query):

@@ -124,6 +124,26 @@ def test_merge_of_extreme_inputs(domain, backend, data):
     run_merge(case, *BACKENDS[backend], emit_norm, with_grads)
 
 
+# r = 1 keys in bf16, three equal queries: the key gradient is a near-cancellation of RMSNorm's
+# two terms. Once drawn by hypothesis outside CI: the float64 oracle, casting the key twice,
+# rounded each term to bf16 before adding them and wanted 0 where every backend gave ~0.12.
+R1_BF16 = Extreme(4, 8, 1, (0.0, 0.0, 2.0), False, torch.bfloat16, 1.0, None, 163)
+
+
+def test_the_oracle_differentiates_a_16_bit_rmsnorm_in_float64():
+    x = torch.tensor([[0.88671875], [-0.0194091796875]], dtype=torch.bfloat16).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    (got,) = torch.autograd.grad(extreme.rmsnorm(x)[0].sum(), x)
+    (want,) = torch.autograd.grad(extreme.rmsnorm(x64)[0].sum(), x64)
+    assert want[1].item() > 0.01  # ~rstd·eps/(x²+eps) = 0.0163: not a cancellation to 0
+    torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_rank_one_bf16_key_gradient(backend):
+    run_read(R1_BF16, *BACKENDS[backend], 3, True)
+
+
 @pytest.mark.parametrize("lead", [20.0, 60.0, 1e4])
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "projected"])
 @pytest.mark.parametrize("backend", list(BACKENDS))
