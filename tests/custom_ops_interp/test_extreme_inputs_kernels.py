@@ -50,6 +50,20 @@ def test_merge_kernels_on_extreme_inputs(domain, data):
     run_merge(case, *TRITON, data.draw(st.booleans(), label="emit_norm"), with_grads)
 
 
+# Drawn by hypothesis outside CI: the merge backward took the lse1 / logit gradients as
+# w·(dw - D), which is w1·w2·(dw1 - dw2) only while w1 + w2 == 1 and lost a small share's
+# gradient (fp32: a 1e-33 partial-key gradient came out 0; bf16: an lse1 gradient 30x off).
+SMALL_SHARE = {
+    "fp32": Extreme(3, 8, 2, (0.0, 0.0, 0.0), False, torch.float32, 100.0, None, 0),
+    "bf16": Extreme(2, 8, 3, (0.0, 0.0), False, torch.bfloat16, 10.0, None, 1),
+}
+
+
+@pytest.mark.parametrize("dtype", list(SMALL_SHARE))
+def test_merge_gradients_of_a_small_share(dtype):
+    run_merge(SMALL_SHARE[dtype], *TRITON, False, True)
+
+
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced", "projected"])
 def test_bf16_at_its_largest_values(sliced):
     """Every value and key within a factor 2 of bf16's largest (3.4e38), one source leading:
