@@ -110,18 +110,29 @@ def _rel_diff(a, b) -> float:
     return worst
 
 
+def _alternate(libs: dict, reps: int, timed) -> tuple[float, float]:
+    """Medians of ``timed(lib)`` (seconds) for the two libraries, called ``reps`` times each in
+    alternating order (ABBA...), the library in use for the call."""
+    times = {name: [] for name in libs}
+    order = list(libs.items())
+    for rep in range(reps):
+        for name, lib in order if rep % 2 else order[::-1]:
+            with _using(lib):
+                times[name].append(timed())
+    return tuple(statistics.median(t) for t in times.values())
+
+
 def compare(libs: dict, reps: int) -> list[dict]:
     """Rows of ``{shape, kernel, <lib> ms..., ratio, rel_diff}``; ratio = second / first."""
     (a_name, a_lib), (b_name, b_lib) = libs.items()
     flush = torch.empty(8 * 2**20)
     sink = torch.empty_like(flush)
 
-    def once(fn, lib):
-        with _using(lib):
-            sink.copy_(flush)
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
+    def once(fn):
+        sink.copy_(flush)
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
     rows = []
     for shape, spec in SHAPES.items():
@@ -133,14 +144,8 @@ def compare(libs: dict, reps: int) -> list[dict]:
                 ref = fn()
             with _using(b_lib):
                 diff = _rel_diff(fn(), ref)
-            for lib in (a_lib, b_lib, a_lib, b_lib):  # warm-up
-                once(fn, lib)
-            times = {a_name: [], b_name: []}
-            for rep in range(reps):
-                order = ((a_name, a_lib), (b_name, b_lib))
-                for name, lib in order if rep % 2 else order[::-1]:
-                    times[name].append(once(fn, lib))
-            ta, tb = (statistics.median(times[n]) * 1e3 for n in (a_name, b_name))
+            _alternate(libs, 2, lambda fn=fn: once(fn))  # warm-up
+            ta, tb = (t * 1e3 for t in _alternate(libs, reps, lambda fn=fn: once(fn)))
             rows.append(
                 {"shape": shape, "kernel": kernel, a_name: ta, b_name: tb, "ratio": tb / ta,
                  "rel_diff": diff}
@@ -158,7 +163,7 @@ def compare_model(libs: dict, shape, variants, steps: int, compile_: bool = True
     (``compile_=False``: eager sublayers, for tests)."""
     from benchmarks.overhead import Step, _timed, build
 
-    (a_name, a_lib), (b_name, b_lib) = libs.items()
+    a_name, b_name = libs
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g)
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
@@ -171,13 +176,7 @@ def compare_model(libs: dict, shape, variants, steps: int, compile_: bool = True
             with _using(lib):
                 step()
                 loss[lib_name] = step().item()
-        times = {a_name: [], b_name: []}
-        for rep in range(steps):
-            order = ((a_name, a_lib), (b_name, b_lib))
-            for lib_name, lib in order if rep % 2 else order[::-1]:
-                with _using(lib):
-                    times[lib_name].append(_timed(step, "cpu"))
-        ta, tb = (statistics.median(times[n]) for n in (a_name, b_name))
+        ta, tb = _alternate(libs, steps, lambda step=step: _timed(step, "cpu"))
         diff = abs(loss[b_name] - loss[a_name]) / abs(loss[a_name])
         rows.append({"variant": name, a_name: ta, b_name: tb, "ratio": tb / ta,
                      "loss_rel_diff": diff})  # fmt: skip
