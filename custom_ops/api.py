@@ -45,17 +45,21 @@ def _eps(eps: float | None) -> float:
 
 
 def _direct(*tensors) -> bool:
-    """Whether a call may run the op's implementation without the dispatcher: plain eager
-    tensors, no autograd graph to record, no tracing (compile, export) or dispatch mode. The
-    result is the same function's; this only skips the registered op's ~0.1 ms of dispatch,
-    more than a one-token read costs (cached decoding makes ~2L such calls per token)."""
+    """Whether a call may run the op's implementation without the dispatcher or autograd: plain
+    eager tensors (``ops.plain``) and no autograd graph to record. The result is the same
+    function's; this only skips the registered op's ~0.1 ms of dispatch, more than a one-token
+    read costs (cached decoding makes ~2L such calls per token)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    if torch._C._len_torch_function_stack():  # e.g. torchtitan's SPMD type checker
-        return False
-    return all(type(t) is torch.Tensor for t in tensors)
+    return ops.plain(*tensors)
+
+
+def _call(op, eager, *args):
+    """``op(*args)``, or its eager autograd twin (``ops._eager_twin``: the same implementation and
+    backward) when the tensors are plain eager ones."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [t for a in args if isinstance(a, list) for t in a]
+    return eager.apply(*args) if ops.plain(*tensors) else op(*args)
 
 
 def _validate(values, keys, query, query_dim: int):
@@ -113,8 +117,10 @@ def depth_read_lse(
     if _direct(*values, *(keys or ()), query):
         return ops.read(values, keys, query, _eps(eps), impl, bank=False)
     if keys is None:
-        return torch.ops.lrattnres.depth_read_sliced(values, query, _eps(eps), impl)
-    return torch.ops.lrattnres.depth_read(values, keys, query, _eps(eps), impl)
+        args = (values, query, _eps(eps), impl)
+        return _call(torch.ops.lrattnres.depth_read_sliced, ops.depth_read_sliced_eager, *args)
+    args = (values, keys, query, _eps(eps), impl)
+    return _call(torch.ops.lrattnres.depth_read, ops.depth_read_eager, *args)
 
 
 def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch.Tensor:
@@ -137,8 +143,10 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
     if _direct(*values, *(keys or ()), queries):
         return ops.read(values, keys, queries, _eps(eps), impl, bank=True)
     if keys is None:
-        return torch.ops.lrattnres.block_read_sliced(values, queries, _eps(eps), impl)
-    return torch.ops.lrattnres.block_read(values, keys, queries, _eps(eps), impl)
+        args = (values, queries, _eps(eps), impl)
+        return _call(torch.ops.lrattnres.block_read_sliced, ops.block_read_sliced_eager, *args)
+    args = (values, keys, queries, _eps(eps), impl)
+    return _call(torch.ops.lrattnres.block_read, ops.block_read_eager, *args)
 
 
 def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):
@@ -187,5 +195,5 @@ def merge_partial(
     if _direct(out1, lse1, partial_value, *pk, query):
         h, norm = ops.merge(*args)
     else:
-        h, norm = torch.ops.lrattnres.merge_partial(*args)
+        h, norm = _call(torch.ops.lrattnres.merge_partial, ops.merge_partial_eager, *args)
     return (h, norm) if emit_norm else h

@@ -116,17 +116,35 @@ def _table(tensors, ctype):
     return (ctype * len(tensors))(*tensors)
 
 
+def _rows(x):
+    """``(tensor, address, row stride)`` of ``rows(x)``; the tensor keeps a copy alive. A
+    contiguous x is passed as it is: a view is a dispatcher call, ~10 µs, several times that
+    between a training step's matmuls, and each op here would otherwise make several."""
+    if x.is_contiguous():
+        return x, x.data_ptr(), x.shape[-1]
+    x2 = rows(x)
+    return x2, x2.data_ptr(), x2.stride(0)
+
+
+def _flat(x):
+    """``(tensor, address)`` of x's elements in row-major order (None: (None, None))."""
+    if x is None:
+        return None, None
+    x = x.contiguous()
+    return x, x.data_ptr()
+
+
 def _sources(values, keys):
-    """Row views (kept alive by the caller) and the ctypes pointer / stride tables."""
-    v2 = [rows(v) for v in values]
-    k2 = v2 if keys is None else [rows(k) for k in keys]
+    """Rows (kept alive by the caller) and the ctypes pointer / stride tables."""
+    v2 = [_rows(v) for v in values]
+    k2 = v2 if keys is None else [_rows(k) for k in keys]
     tables = (
-        _table([v.data_ptr() for v in v2], _P),
-        _table([v.stride(0) for v in v2], _I),
-        _table([k.data_ptr() for k in k2], _P),
-        _table([k.stride(0) for k in k2], _I),
+        _table([v[1] for v in v2], _P),
+        _table([v[2] for v in v2], _I),
+        _table([k[1] for k in k2], _P),
+        _table([k[2] for k in k2], _I),
     )
-    return v2, k2, tables
+    return (v2, k2), tables
 
 
 def read_fwd(values, keys, queries, eps: float):
@@ -134,16 +152,17 @@ def read_fwd(values, keys, queries, eps: float):
     if not _usable(*values, *(keys or ()), queries) or (lib := library()) is None:
         return None
     lead, d = values[0].shape[:-1], values[0].shape[-1]
-    q = queries.float().contiguous()
+    q, q_ptr = _flat(queries)
     nc, rank = q.shape
-    v2, k2, tables = _sources(values, keys)
-    n = v2[0].shape[0]
-    out = torch.empty((nc, n, d), dtype=torch.float32)
-    lse = torch.empty((nc, n), dtype=torch.float32)
-    args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
+    n = values[0].numel() // d if d else 0
+    kept, tables = _sources(values, keys)
+    out = torch.empty((nc, *lead, d), dtype=torch.float32)
+    lse = torch.empty((nc, *lead), dtype=torch.float32)
+    args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps),
             out.data_ptr(), lse.data_ptr())  # fmt: skip
     lib.read_fwd(*args, _threads(n))
-    return out.view(nc, *lead, d), lse.view(nc, *lead)
+    del kept
+    return out, lse
 
 
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
@@ -152,50 +171,51 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
-    q = queries.float().contiguous()
+    q, q_ptr = _flat(queries)
     nc, rank = q.shape
-    v2, k2, tables = _sources(values, keys)
-    n = v2[0].shape[0]
-    lse2 = lse.reshape(nc, n).contiguous()
-    dout = None if grad_out is None else grad_out.reshape(nc, n, d).contiguous()
-    dlse = None if grad_lse is None else grad_lse.reshape(nc, n).contiguous()
-    gv = [torch.empty((n, d), dtype=torch.float32) for _ in v2]
-    gk = None if keys is None else [torch.empty((n, rank), dtype=torch.float32) for _ in k2]
+    n = values[0].numel() // d if d else 0
+    kept, tables = _sources(values, keys)
+    (lse2, lse_ptr), (dout, dout_ptr), (dlse, dlse_ptr) = map(_flat, (lse, grad_out, grad_lse))
+    gv = [torch.empty(shape, dtype=torch.float32) for _ in values]
+    gk = None if keys is None else [torch.empty(k.shape, dtype=torch.float32) for k in keys]
     threads = _threads(n)
     dq = torch.zeros((threads, nc, rank), dtype=torch.float32)  # one partial per thread
-    args = (len(v2), nc, n, d, rank, int(keys is None), *tables, q.data_ptr(), float(eps),
-            lse2.data_ptr(), None if dout is None else dout.data_ptr(),
-            None if dlse is None else dlse.data_ptr(), _table([g.data_ptr() for g in gv], _P),
+    args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps), lse_ptr,
+            dout_ptr, dlse_ptr, _table([g.data_ptr() for g in gv], _P),
             _table([g.data_ptr() for g in (gk or gv)], _P), dq.data_ptr())  # fmt: skip
     lib.read_bwd(*args, threads)
-    grad_keys = None if gk is None else [g.view(k.shape) for g, k in zip(gk, keys, strict=True)]
-    return [g.view(shape) for g in gv], grad_keys, dq.sum(0)
+    del kept, lse2, dout, dlse
+    return gv, gk, dq.sum(0)
 
 
-def _merge_inputs(out1, lse1, partial_value, partial_key, query):
-    """``(q, o1, pv, pk, lse, n, d, rank)``: the merge's operands as rows (pk: the partial
-    value's tail when sliced)."""
-    q = query.float().contiguous()
-    rank = q.shape[-1]
-    o1, pv = rows(out1), rows(partial_value)
-    pk = pv[:, pv.shape[-1] - rank :] if partial_key is None else rows(partial_key)
-    n, d = pv.shape
-    return q, o1, pv, pk, lse1.reshape(n).contiguous(), n, d, rank
+def _merge_inputs(out1, partial_value, partial_key, rank):
+    """Rows of the merge's operands: ``(kept, o1, pv, pk)``, each ``(address, row stride)``; pk
+    is the partial value's last ``rank`` columns when sliced."""
+    o1, pv = _rows(out1), _rows(partial_value)
+    if partial_key is None:
+        pk = (pv[1] + 4 * (partial_value.shape[-1] - rank), pv[2])  # fp32: 4 bytes
+        kept = (o1[0], pv[0])
+    else:
+        k = _rows(partial_key)
+        pk, kept = k[1:], (o1[0], pv[0], k[0])
+    return kept, o1[1:], pv[1:], pk
 
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
     """``composite.merge_fwd`` fused, or None when not applicable."""
     if not _usable(out1, lse1, partial_value, partial_key, query) or (lib := library()) is None:
         return None
-    q, o1, pv, pk, lse, n, d, rank = _merge_inputs(out1, lse1, partial_value, partial_key, query)
-    h = torch.empty((n, d), dtype=torch.float32)
-    norm = torch.empty((n, d), dtype=torch.float32) if emit_norm else h.new_empty(0)
-    args = (n, d, rank, o1.data_ptr(), o1.stride(0), lse.data_ptr(), pv.data_ptr(), pv.stride(0),
-            pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps), NORM_EPS, h.data_ptr(),
+    shape, d = partial_value.shape, partial_value.shape[-1]
+    (q, q_ptr), (lse, lse_ptr) = _flat(query), _flat(lse1)
+    rank, n = q.shape[-1], lse.numel()
+    kept, o1, pv, pk = _merge_inputs(out1, partial_value, partial_key, rank)
+    h = torch.empty(shape, dtype=torch.float32)
+    norm = torch.empty(shape, dtype=torch.float32) if emit_norm else h.new_empty(0)
+    args = (n, d, rank, *o1, lse_ptr, *pv, *pk, q_ptr, float(eps), NORM_EPS, h.data_ptr(),
             norm.data_ptr() if emit_norm else None)  # fmt: skip
     lib.merge_fwd(*args, _threads(n))
-    shape = partial_value.shape
-    return h.view(shape), (norm.view(shape) if emit_norm else norm)
+    del kept
+    return h, norm
 
 
 def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm, eps: float):
@@ -205,21 +225,19 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     tensors = (out1, lse1, partial_value, partial_key, query, h, grad_h, grad_norm)
     if not _usable(*tensors) or (lib := library()) is None:
         return None
-    q, o1, pv, pk, lse, n, d, rank = _merge_inputs(out1, lse1, partial_value, partial_key, query)
-    h2 = h.reshape(n, d).contiguous()
-    gh = None if grad_h is None else grad_h.reshape(n, d).contiguous()
-    gn = None if grad_norm is None else grad_norm.reshape(n, d).contiguous()
-    d_o1, d_pv = torch.empty((n, d)), torch.empty((n, d))
-    d_lse = torch.empty(n)
-    d_pk = None if partial_key is None else torch.empty((n, rank))
+    shape, d = partial_value.shape, partial_value.shape[-1]
+    (q, q_ptr), (lse, lse_ptr) = _flat(query), _flat(lse1)
+    rank, n = q.shape[-1], lse.numel()
+    kept, o1, pv, pk = _merge_inputs(out1, partial_value, partial_key, rank)
+    (h2, h_ptr), (gh, gh_ptr), (gn, gn_ptr) = map(_flat, (h, grad_h, grad_norm))
+    d_o1, d_pv = torch.empty(shape), torch.empty(shape)
+    d_lse = torch.empty(lse1.shape)
+    d_pk = None if partial_key is None else torch.empty(partial_key.shape)
     threads = _threads(n)
     dq = torch.zeros((threads, rank))
-    args = (n, d, rank, int(partial_key is None), o1.data_ptr(), o1.stride(0), lse.data_ptr(),
-            pv.data_ptr(), pv.stride(0), pk.data_ptr(), pk.stride(0), q.data_ptr(), float(eps),
-            NORM_EPS, h2.data_ptr(), None if gh is None else gh.data_ptr(),
-            None if gn is None else gn.data_ptr(), d_o1.data_ptr(), d_lse.data_ptr(),
-            d_pv.data_ptr(), None if d_pk is None else d_pk.data_ptr(), dq.data_ptr())  # fmt: skip
+    args = (n, d, rank, int(partial_key is None), *o1, lse_ptr, *pv, *pk, q_ptr, float(eps),
+            NORM_EPS, h_ptr, gh_ptr, gn_ptr, d_o1.data_ptr(), d_lse.data_ptr(), d_pv.data_ptr(),
+            None if d_pk is None else d_pk.data_ptr(), dq.data_ptr())  # fmt: skip
     lib.merge_bwd(*args, threads)
-    shape = partial_value.shape
-    dk = None if d_pk is None else d_pk.view(partial_key.shape)
-    return d_o1.view(shape), d_lse.view(lse1.shape), d_pv.view(shape), dk, dq.sum(0)
+    del kept, h2, gh, gn
+    return d_o1, d_lse, d_pv, d_pk, dq.sum(0)
