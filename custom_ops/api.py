@@ -82,7 +82,6 @@ def _validate(values, keys, query, query_dim: int):
         r, d = query.shape[-1], v0.shape[-1]
         if r > d:
             raise ValueError(f"sliced keys need rank r <= d, got r={r}, d={d}")
-        keys = reference.sliced_keys(values, r)
     else:
         for i, k in enumerate(keys):
             if k.device != v0.device:
@@ -96,7 +95,11 @@ def _validate(values, keys, query, query_dim: int):
     reference._check(values, keys, query)
     if query.device != v0.device:
         raise ValueError(f"query is on {query.device}, values on {v0.device}")
-    return keys
+
+
+def _reference_keys(values, keys, query):
+    """The keys the eager reference reads (sliced: views of the values' tails)."""
+    return reference.sliced_keys(values, query.shape[-1]) if keys is None else keys
 
 
 def depth_read_lse(
@@ -110,9 +113,10 @@ def depth_read_lse(
     """``(h [..., d] values dtype, lse [...] fp32)`` of one read site with query ``[r]``."""
     values = list(values)
     keys = None if keys is None else list(keys)
-    ref_keys = _validate(values, keys, query, 1)
+    _validate(values, keys, query, 1)
     impl = _backend(backend, values[0])
     if impl == "reference":
+        ref_keys = _reference_keys(values, keys, query)
         return reference.depth_read_with_lse(values, ref_keys, query, eps)
     if _direct(*values, *(keys or ()), query):
         return ops.read(values, keys, query, _eps(eps), impl, bank=False)
@@ -136,9 +140,10 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
     """
     values = list(values)
     keys = None if keys is None else list(keys)
-    ref_keys = _validate(values, keys, queries, 2)
+    _validate(values, keys, queries, 2)
     impl = _backend(backend, values[0])
     if impl == "reference":
+        ref_keys = _reference_keys(values, keys, queries)
         return reference.depth_read_with_lse([v.float() for v in values], ref_keys, queries, eps)
     if _direct(*values, *(keys or ()), queries):
         return ops.read(values, keys, queries, _eps(eps), impl, bank=True)

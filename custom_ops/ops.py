@@ -84,6 +84,9 @@ def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype``, contiguous: x itself when it is already (no dispatcher calls)."""
+    if x.dtype == dtype and x.is_contiguous():
+        return x
     return x.to(dtype).contiguous()
 
 

@@ -25,15 +25,17 @@ def _eps(eps: float | None) -> float:
     return DEFAULT_EPS if eps is None else float(eps)
 
 
-def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor], query: torch.Tensor):
+def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor] | None, query):
+    """Shapes of a read's operands; ``keys`` None: sliced (the values' own tails)."""
     if len(values) == 0:
         raise ValueError("depth_read needs at least one source")
-    if len(values) != len(keys):
+    if keys is not None and len(values) != len(keys):
         raise ValueError(f"got {len(values)} values but {len(keys)} keys")
     shape = values[0].shape
-    for i, (v, k) in enumerate(zip(values, keys)):
+    for i, v in enumerate(values):
         if v.shape != shape:
             raise ValueError(f"value {i} has shape {tuple(v.shape)}, expected {tuple(shape)}")
+    for i, k in enumerate(keys or ()):
         if k.shape[:-1] != shape[:-1]:
             raise ValueError(
                 f"key {i} has shape {tuple(k.shape)}, leading dims must be {tuple(shape[:-1])}"
