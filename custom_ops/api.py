@@ -57,9 +57,7 @@ def _direct(*tensors) -> bool:
 def _call(op, eager, *args):
     """``op(*args)``, or its eager autograd twin (``ops._eager_twin``: the same implementation and
     backward) when the tensors are plain eager ones."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [t for a in args if isinstance(a, list) for t in a]
-    return eager.apply(*args) if ops.plain(*tensors) else op(*args)
+    return eager.apply(*args) if ops.plain(*ops.tensors_of(args)) else op(*args)
 
 
 def _validate(values, keys, query, query_dim: int):

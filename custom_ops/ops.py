@@ -110,6 +110,12 @@ def plain(*tensors) -> bool:
     return all(t is None or type(t) in _PLAIN for t in tensors)
 
 
+def tensors_of(args) -> list:
+    """The tensors among ``args``, those inside list arguments included."""
+    found = [a for a in args if isinstance(a, torch.Tensor)]
+    return found + [t for a in args if isinstance(a, list) for t in a]
+
+
 def _eager_twin(name: str, impl, setup_context, backward, tensorlists: bool):
     """A registered op's autograd as a ``torch.autograd.Function`` for plain eager tensors: its
     implementation, context and backward formula, without the dispatcher. Traces, modes and
@@ -133,7 +139,7 @@ def _backward_call(op, impl, *args):
     """A backward formula's call of its backward op: the implementation itself when eager and
     no graph of the backward is recorded (create_graph), else the op (which a trace must see,
     and which refuses a double backward)."""
-    if not torch.is_grad_enabled() and plain(*(a for a in args if isinstance(a, torch.Tensor))):
+    if not torch.is_grad_enabled() and plain(*tensors_of(args)):
         return impl(*args)
     return op(*args)
 
