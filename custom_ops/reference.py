@@ -25,7 +25,9 @@ def _eps(eps: float | None) -> float:
     return DEFAULT_EPS if eps is None else float(eps)
 
 
-def _check(values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor] | None, query):
+def _check(
+    values: Sequence[torch.Tensor], keys: Sequence[torch.Tensor] | None, query: torch.Tensor
+):
     """Shapes of a read's operands; ``keys`` None: sliced (the values' own tails)."""
     if len(values) == 0:
         raise ValueError("depth_read needs at least one source")
