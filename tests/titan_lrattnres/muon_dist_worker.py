@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from titan_lrattnres import cpu
 from titan_lrattnres.muon import Muon
 from titan_lrattnres.optimizers import MuonOptimizersContainer, ParamGroup
 
@@ -119,6 +120,7 @@ def dcp_resume(folder: str) -> dict:
 
 
 def main(out: str) -> None:
+    cpu.release_gloo_at_exit()  # no SIGABRT at exit (cpu.py, P7)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     result = {

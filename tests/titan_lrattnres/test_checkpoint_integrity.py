@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titan_lrattnres import analysis, export, generate, integrity, sweep
+from titan_lrattnres import analysis, cpu, export, generate, integrity, sweep
 from titan_lrattnres.inference import build_model, load_model
 from titan_lrattnres.train import finished_step
 
@@ -364,9 +364,13 @@ TWO_RANKS = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     # by path: the package's __init__ would import torchtitan (seconds a rank)
-    spec = importlib.util.spec_from_file_location("integrity", sys.argv[2])
-    integrity = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(integrity)
+    def load(name, path):
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    integrity = load("integrity", sys.argv[2])
+    load("cpu", sys.argv[3]).release_gloo_at_exit()  # no SIGABRT at exit (cpu.py, P7)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))
@@ -400,7 +404,8 @@ def test_two_rank_fsdp_save_is_recorded_and_vetted(env, tmp_path):
     script.write_text(TWO_RANKS)
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend",
-         "c10d", "--rdzv_endpoint", "localhost:0", str(script), str(folder), integrity.__file__],
+         "c10d", "--rdzv_endpoint", "localhost:0", str(script), str(folder), integrity.__file__,
+         cpu.__file__],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]

@@ -69,7 +69,7 @@ def reference_run(env, tmp_path_factory):
 
 
 def test_shim_is_idempotent_and_pins_torchtitan(monkeypatch):
-    assert cpu.apply() and cpu.apply() and cpu.is_applied()
+    assert cpu.apply() and cpu.apply() and cpu.is_applied() and cpu._released_at_exit
     import torch
     from torchtitan.tools import utils
 
@@ -78,6 +78,26 @@ def test_shim_is_idempotent_and_pins_torchtitan(monkeypatch):
     monkeypatch.setattr(cpu.importlib.metadata, "version", lambda _: "0.4.0")
     with pytest.warns(RuntimeWarning, match="0.3.0 internals; installed is 0.4.0"):
         cpu.check_torchtitan_version()
+
+
+GLOO_THREADS = textwrap.dedent("""
+    import sys, tempfile, torch.distributed as dist
+    from titan_lrattnres import cpu
+    before = cpu._gloo_threads()
+    store = dist.FileStore(tempfile.mktemp(), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    print(before, cpu._gloo_threads())
+    dist.destroy_process_group()
+""")
+
+
+def test_gloo_threads_are_seen_for_the_exit_release(env):
+    """P7 waits at exit only while gloo's worker threads exist: it must see them (by name)."""
+    p = subprocess.run([sys.executable, "-c", GLOO_THREADS], env=env, cwd=ROOT, text=True,
+                       capture_output=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, after = map(int, p.stdout.split())
+    assert before == 0 and after > 0, p.stdout
 
 
 def test_single_process_run_learns_and_writes_summary(reference_run):
