@@ -35,6 +35,7 @@ from custom_ops.layout import rows
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
 NORM_EPS = torch.finfo(torch.float32).eps
 _SOURCE = Path(__file__).with_name("depth_read.c")
+ABI = 2  # lrattnres_cpu_abi() of a library this wrapper can call
 _MIN_TOKENS_PER_THREAD = 64
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _N = ctypes.c_int
@@ -96,6 +97,14 @@ def build(source: Path):
                 return None
             os.replace(out, path)  # atomic: a concurrent build never loads a half-written file
     lib = ctypes.CDLL(str(path))
+    abi = getattr(lib, "lrattnres_cpu_abi", None)
+    if abi is None or abi() != ABI:
+        warnings.warn(
+            f"{source} speaks the kernels' ABI {None if abi is None else abi()}, this wrapper "
+            f"{ABI} (see lrattnres_cpu_abi in depth_read.c): not loaded",
+            stacklevel=2,
+        )
+        return None
     for name, args in _SIGNATURES.items():
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = None
@@ -179,13 +188,13 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     gv = [torch.empty(shape, dtype=torch.float32) for _ in values]
     gk = None if keys is None else [torch.empty(k.shape, dtype=torch.float32) for k in keys]
     threads = _threads(n)
-    dq = torch.zeros((threads, nc, rank), dtype=torch.float32)  # one partial per thread
+    dq = torch.empty((nc, rank), dtype=torch.float32)
     args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps), lse_ptr,
             dout_ptr, dlse_ptr, _table([g.data_ptr() for g in gv], _P),
             _table([g.data_ptr() for g in (gk or gv)], _P), dq.data_ptr())  # fmt: skip
     lib.read_bwd(*args, threads)
     del kept, lse2, dout, dlse
-    return gv, gk, dq.sum(0)
+    return gv, gk, dq
 
 
 def _merge_inputs(out1, partial_value, partial_key, rank):
@@ -234,10 +243,10 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     d_lse = torch.empty(lse1.shape)
     d_pk = None if partial_key is None else torch.empty(partial_key.shape)
     threads = _threads(n)
-    dq = torch.zeros((threads, rank))
+    dq = torch.empty(rank)
     args = (n, d, rank, int(partial_key is None), *o1, lse_ptr, *pv, *pk, q_ptr, float(eps),
             NORM_EPS, h_ptr, gh_ptr, gn_ptr, d_o1.data_ptr(), d_lse.data_ptr(), d_pv.data_ptr(),
             None if d_pk is None else d_pk.data_ptr(), dq.data_ptr())  # fmt: skip
     lib.merge_bwd(*args, threads)
     del kept, h2, gh, gn
-    return d_o1, d_lse, d_pv, d_pk, dq.sum(0)
+    return d_o1, d_lse, d_pv, d_pk, dq

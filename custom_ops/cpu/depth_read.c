@@ -2,7 +2,8 @@
  *
  * Each exported function splits the tokens over `threads` OpenMP threads; linked against the
  * libgomp that torch has already loaded, they share torch's thread pool (no oversubscription).
- * A thread touches only its own tokens and its own dq partial (dq is [threads, ...]).
+ * A thread touches only its own tokens and its own query-gradient partial; the partials are
+ * summed in thread order after the parallel region (dq: the sum, [C, r] or [r]).
  * Pointers: sources are S row-major [n, d] (value) / [n, r] (key) matrices with unit column
  * stride and their own row strides (elements); sliced keys are the last r columns of the value.
  * Outputs and gradients are contiguous. Small per-token reductions accumulate in double, the
@@ -285,6 +286,20 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
     int t = omp_get_thread_num(), nt = omp_get_num_threads(); \
     int64_t t0 = (n) * t / nt, t1 = (n) * (t + 1) / nt;
 
+/* The wrapper's contract (each entry point's arguments and what lies behind each pointer),
+ * bumped on any change: custom_ops.cpu.build refuses a library that answers another number
+ * (benchmarks.cpu_kernels builds other revisions of this file). 2: dq is the summed gradient. */
+int lrattnres_cpu_abi(void) { return 2; }
+
+/* dq = part[0] + part[1] + ... (threads rows of m, in thread order: deterministic); frees part.
+ * Rows of threads OpenMP did not start stay zero. */
+static void sum_partials(float *part, int threads, int64_t m, float *dq) {
+    for (int64_t j = 0; j < m; j++) dq[j] = part[j];
+    for (int t = 1; t < threads; t++)
+        for (int64_t j = 0; j < m; j++) dq[j] += part[(int64_t)t * m + j];
+    free(part);
+}
+
 void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, float *out, float *lse,
@@ -301,12 +316,14 @@ void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const int64_t *ks, const float *q, double eps, const float *lse,
               const float *dout, const float *dlse, float *const *gv, float *const *gk,
               float *dq, int threads) {
+    float *part = calloc((size_t)threads * C * r, sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
         SPLIT(n)
         read_bwd_range(S, C, n, d, r, sliced, vp, vs, kp, ks, q, eps, lse, dout, dlse, gv, gk,
-                       dq + (int64_t)t * C * r, t0, t1);
+                       part + (int64_t)t * C * r, t0, t1);
     }
+    sum_partials(part, threads, C * r, dq);
 }
 
 void merge_fwd(int64_t n, int64_t d, int64_t r, const float *o1, int64_t o1s, const float *lse1,
@@ -325,10 +342,12 @@ void merge_bwd(int64_t n, int64_t d, int64_t r, int sliced, const float *o1, int
                const float *q, double eps, double norm_eps, const float *h, const float *gh,
                const float *gn, float *d_o1, float *d_lse1, float *d_pv, float *d_pk, float *dq,
                int threads) {
+    float *part = calloc((size_t)threads * r, sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
         SPLIT(n)
         merge_bwd_range(n, d, r, sliced, o1, o1s, lse1, pv, pvs, pk, pks, q, eps, norm_eps, h, gh,
-                        gn, d_o1, d_lse1, d_pv, d_pk, dq + (int64_t)t * r, t0, t1);
+                        gn, d_o1, d_lse1, d_pv, d_pk, part + (int64_t)t * r, t0, t1);
     }
+    sum_partials(part, threads, r, dq);
 }

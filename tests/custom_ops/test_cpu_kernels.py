@@ -25,6 +25,25 @@ def test_library_builds():
     assert cpu.library() is not None
 
 
+def test_a_library_of_another_abi_is_refused(tmp_path, monkeypatch):
+    """``benchmarks.cpu_kernels`` builds other revisions' depth_read.c: one whose contract with
+    the wrapper differs (``lrattnres_cpu_abi``) must not be called with this one's arguments."""
+    monkeypatch.setenv("LRATTNRES_CPU_CACHE", str(tmp_path / "cache"))
+    line = f"int lrattnres_cpu_abi(void) {{ return {cpu.ABI}; }}"
+    source = cpu._SOURCE.read_text()
+    assert source.count(line) == 1
+    other = tmp_path / "depth_read.c"
+    other.write_text(
+        source.replace(line, f"int lrattnres_cpu_abi(void) {{ return {cpu.ABI - 1}; }}")
+    )
+    with pytest.warns(UserWarning, match=f"ABI {cpu.ABI - 1}, this wrapper {cpu.ABI}"):
+        assert cpu.build(other) is None
+    older = tmp_path / "older.c"  # revisions before the ABI number: no such function
+    older.write_text(source.replace(line, ""))
+    with pytest.warns(UserWarning, match=f"ABI None, this wrapper {cpu.ABI}"):
+        assert cpu.build(older) is None
+
+
 def test_sixteen_bit_inputs_are_left_to_the_composite():
     values, keys, query = make_read(ReadCase((5,), 8, 4, 3, False, torch.bfloat16, seed=1))
     assert cpu.read_fwd(values, keys, query[None], 1e-6) is None
