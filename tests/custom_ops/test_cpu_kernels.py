@@ -17,7 +17,7 @@ from tests.custom_ops.test_custom_ops_read import (
     check_depth_read,
     check_merge_partial,
 )
-from tests.custom_ops.tolerances import assert_close
+from tests.custom_ops.tolerances import assert_close, rank_one_cancellation
 
 
 def test_library_builds():
@@ -77,7 +77,8 @@ def test_read_matches_composite(case, n_queries, with_lse_grad):
     for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
         assert_close(f"grad value {i}", x, y, torch.float32)
     for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
-        assert_close(f"grad key {i}", x, y, torch.float32)
+        cond = rank_one_cancellation(keys[i], 1e-6)
+        assert_close(f"grad key {i}", x, y, torch.float32, conditioning=cond)
     assert_close("grad queries", a[2], b[2], torch.float32)
 
 
