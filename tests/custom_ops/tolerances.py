@@ -2,8 +2,10 @@
 
 Errors are relative RMS (as FLA compares): ``||actual - expected|| <= rel·||expected|| +
 abs·sqrt(numel)``, so a gradient that is off by a factor or misses a term fails whatever its
-scale. The absolute floor only matters for quantities that are exactly zero in exact arithmetic
-(e.g. the key gradient when r = 1, where RMSNorm(k) = sign(k)); inputs are O(1).
+scale. The absolute floor only matters for quantities that are (nearly) zero in exact
+arithmetic (e.g. the key gradient when r = 1, where RMSNorm(k) = sign(k) up to eps); inputs are
+O(1). Where a computation cancels by a known factor, ``conditioning`` scales the relative part
+(``rank_one_cancellation``: the r = 1 key gradient at moderate |k|).
 """
 
 from __future__ import annotations
