@@ -118,6 +118,9 @@ def worker(flavor: str, rounds: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
+    from titan_lrattnres import cpu
+
+    cpu.release_gloo_at_exit()  # no SIGABRT at exit (titan_lrattnres/cpu.py, P7)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {}
