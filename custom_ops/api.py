@@ -44,20 +44,31 @@ def _eps(eps: float | None) -> float:
     return DEFAULT_EPS if eps is None else float(eps)
 
 
-def _direct(*tensors) -> bool:
-    """Whether a call may run the op's implementation without the dispatcher or autograd: plain
-    eager tensors (``ops.plain``) and no autograd graph to record. The result is the same
-    function's; this only skips the registered op's ~0.1 ms of dispatch, more than a one-token
-    read costs (cached decoding makes ~2L such calls per token)."""
+def _route(tensors) -> str:
+    """How a call with these tensors runs: ``"op"`` (the registered op: traces, modes, tensor
+    subclasses), ``"twin"`` (plain eager tensors with an autograd graph to record: the op's
+    ``torch.autograd.Function`` twin, ``ops._eager_twin``) or ``"direct"`` (plain, nothing to
+    record: the implementation itself). Twin and direct compute the op's own function; they
+    only skip the registered op's ~0.1 ms of dispatch, more than a one-token read costs (cached
+    decoding makes ~2L such calls per token, a training step ~4L)."""
+    if not ops.plain(*tensors):
+        return "op"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return ops.plain(*tensors)
+        return "twin"
+    return "direct"
 
 
-def _call(op, eager, *args):
-    """``op(*args)``, or its eager autograd twin (``ops._eager_twin``: the same implementation and
-    backward) when the tensors are plain eager ones."""
-    return eager.apply(*args) if ops.plain(*ops.tensors_of(args)) else op(*args)
+def _direct(*tensors) -> bool:
+    """Whether a call may run the op's implementation without the dispatcher or autograd."""
+    return _route(tensors) == "direct"
+
+
+def _call(op, eager, direct, *args):
+    """``op(*args)``, its eager twin, or ``direct()`` (the implementation), as ``_route`` says."""
+    route = _route(ops.tensors_of(args))
+    if route == "direct":
+        return direct()
+    return eager.apply(*args) if route == "twin" else op(*args)
 
 
 def _validate(values, keys, query, query_dim: int):
@@ -116,13 +127,17 @@ def depth_read_lse(
     if impl == "reference":
         ref_keys = _reference_keys(values, keys, query)
         return reference.depth_read_with_lse(values, ref_keys, query, eps)
-    if _direct(*values, *(keys or ()), query):
+
+    def direct():
         return ops.read(values, keys, query, _eps(eps), impl, bank=False)
+
     if keys is None:
         args = (values, query, _eps(eps), impl)
-        return _call(torch.ops.lrattnres.depth_read_sliced, ops.depth_read_sliced_eager, *args)
-    args = (values, keys, query, _eps(eps), impl)
-    return _call(torch.ops.lrattnres.depth_read, ops.depth_read_eager, *args)
+        op, eager = torch.ops.lrattnres.depth_read_sliced, ops.depth_read_sliced_eager
+    else:
+        args = (values, keys, query, _eps(eps), impl)
+        op, eager = torch.ops.lrattnres.depth_read, ops.depth_read_eager
+    return _call(op, eager, direct, *args)
 
 
 def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch.Tensor:
@@ -143,13 +158,17 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
     if impl == "reference":
         ref_keys = _reference_keys(values, keys, queries)
         return reference.depth_read_with_lse([v.float() for v in values], ref_keys, queries, eps)
-    if _direct(*values, *(keys or ()), queries):
+
+    def direct():
         return ops.read(values, keys, queries, _eps(eps), impl, bank=True)
+
     if keys is None:
         args = (values, queries, _eps(eps), impl)
-        return _call(torch.ops.lrattnres.block_read_sliced, ops.block_read_sliced_eager, *args)
-    args = (values, keys, queries, _eps(eps), impl)
-    return _call(torch.ops.lrattnres.block_read, ops.block_read_eager, *args)
+        op, eager = torch.ops.lrattnres.block_read_sliced, ops.block_read_sliced_eager
+    else:
+        args = (values, keys, queries, _eps(eps), impl)
+        op, eager = torch.ops.lrattnres.block_read, ops.block_read_eager
+    return _call(op, eager, direct, *args)
 
 
 def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):
@@ -194,9 +213,6 @@ def merge_partial(
     if impl == "reference":
         return _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm)
     args = (out1, lse1, partial_value, partial_key, query, _eps(eps), emit_norm, impl)
-    pk = () if partial_key is None else (partial_key,)
-    if _direct(out1, lse1, partial_value, *pk, query):
-        h, norm = ops.merge(*args)
-    else:
-        h, norm = _call(torch.ops.lrattnres.merge_partial, ops.merge_partial_eager, *args)
+    op, eager = torch.ops.lrattnres.merge_partial, ops.merge_partial_eager
+    h, norm = _call(op, eager, lambda: ops.merge(*args), *args)
     return (h, norm) if emit_norm else h
