@@ -32,7 +32,10 @@ Eager autograd: plain tensors (``plain``: no trace, no dispatch or function mode
 such as DTensor) go through each op's ``torch.autograd.Function`` twin (``*_eager``), built from
 the op's own implementation, context and backward formula, and the backward formulas call the
 backward ops' implementations directly: the dispatcher's ~0.15 ms per call each way is gone
-from a CPU training step's ~4L calls. Everything else calls the registered ops.
+from a CPU training step's ~4L calls. Everything else calls the registered ops. The bank reads
+have a second twin (``*_split_eager``, ``api.block_read(split=True)``): the same function with
+out given as its c sites' views, whose backward hands the c gradients to the kernel as they are
+(the CPU kernels read them in place; the others get them stacked).
 """
 
 from __future__ import annotations
@@ -74,7 +77,24 @@ def _read_fwd(values, keys, queries, eps, impl, out_dtype):
     return _compiled_impl("read_fwd", queries.device, values, keys, queries, eps)
 
 
+def _stacked(grad_outs, like: torch.Tensor):
+    """Per-query gradients ``[..., d]`` (None: zero, fp32 shaped like ``like``) as one ``[C,
+    ..., d]`` tensor; None if all are None."""
+    if all(g is None for g in grad_outs):
+        return None
+    zero = functools.partial(torch.zeros, like.shape, dtype=torch.float32, device=like.device)
+    return torch.stack([zero() if g is None else g for g in grad_outs])
+
+
 def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
+    """``grad_out``: ``[C, ..., d]`` or a list of C per-query gradients (None: zero), which only
+    the CPU kernels read in place; every other kernel gets them stacked."""
+    if isinstance(grad_out, list):
+        if impl == "compiled" and queries.device.type == "cpu":
+            result = cpu.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
+            if result is not None:
+                return result
+        grad_out = _stacked(grad_out, values[0])
     if impl == "triton":
         from custom_ops.kernels import read_bwd
 
@@ -224,7 +244,29 @@ def _read_op(name: str, sliced: bool, bank: bool):
         return list(gv), list(gk), gq, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
-    return op, _eager_twin(name, fn, setup_context, backward, tensorlists=True)
+    twin = _eager_twin(name, fn, setup_context, backward, tensorlists=True)
+    if not bank:
+        return op, twin, None
+
+    def split_fn(*inputs):  # the op's function, out given as its c sites' views
+        out, lse = fn(*inputs)
+        return list(out.unbind(0)), lse
+
+    def split_setup(ctx, inputs, output):
+        setup_context(ctx, inputs, (None, output[1]))
+
+    def split_backward(ctx, grad_outs, grad_lse):
+        if torch.is_grad_enabled() or not plain(*tensors_of([grad_outs, grad_lse])):
+            return backward(ctx, _stacked(grad_outs, ctx.saved_tensors[0]), grad_lse)
+        saved = ctx.saved_tensors
+        values, keys, query, lse = saved[: ctx.n], saved[ctx.n : -2], saved[-2], saved[-1]
+        gv, gk, gq = _read_backward_any(
+            list(values), list(keys), query, lse, grad_outs, grad_lse, ctx.eps, ctx.impl
+        )
+        return (list(gv), gq, None, None) if sliced else (list(gv), list(gk), gq, None, None)
+
+    split = _eager_twin(f"{name}_split", split_fn, split_setup, split_backward, tensorlists=True)
+    return op, twin, split
 
 
 def _read_backward_impl(
@@ -237,6 +279,11 @@ def _read_backward_impl(
     eps: float,
     impl: str,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    return _read_backward_any(values, keys, queries, lse, grad_out, grad_lse, eps, impl)
+
+
+def _read_backward_any(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
+    """``read_backward``'s implementation; ``grad_out`` may also be a list (``_read_bwd``)."""
     ks = keys if len(keys) else None
     gv, gk, gq = _read_bwd(values, ks, queries, lse, grad_out, grad_lse, eps, impl)
     gv = [_fresh(g, v.dtype) for g, v in zip(gv, values, strict=True)]
@@ -254,12 +301,14 @@ def _(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
     return [_empty(v) for v in values], [_empty(k) for k in keys], _empty(queries)
 
 
-depth_read_op, depth_read_eager = _read_op("depth_read", sliced=False, bank=False)
-depth_read_sliced_op, depth_read_sliced_eager = _read_op(
+depth_read_op, depth_read_eager, _ = _read_op("depth_read", sliced=False, bank=False)
+depth_read_sliced_op, depth_read_sliced_eager, _ = _read_op(
     "depth_read_sliced", sliced=True, bank=False
 )
-block_read_op, block_read_eager = _read_op("block_read", sliced=False, bank=True)
-block_read_sliced_op, block_read_sliced_eager = _read_op(
+block_read_op, block_read_eager, block_read_split_eager = _read_op(
+    "block_read", sliced=False, bank=True
+)
+block_read_sliced_op, block_read_sliced_eager, block_read_sliced_split_eager = _read_op(
     "block_read_sliced", sliced=True, bank=True
 )
 

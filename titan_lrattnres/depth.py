@@ -164,10 +164,12 @@ class DepthRouter(Module):
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys] if self.projected else None
         queries = torch.stack([self.query(site) for site in range(first, nxt)])
-        out, lse = custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
-        # unbind, not out[i]: autograd then stacks the sites' gradients once, where each
-        # select's backward would zero-fill and add a whole [c, ..., d] buffer per site
-        state.phase1 = (out.unbind(0), lse.unbind(0), first)
+        # split: each site's own view; the backward then reads each site's gradient where it
+        # lies (out[i] would zero-fill and add a whole [c, ..., d] buffer per site)
+        out, lse = custom_ops.block_read(
+            values, keys, queries, self.eps, backend=self.backend, split=True
+        )
+        state.phase1 = (out, lse.unbind(0), first)
 
     def _read_two_phase(self, state: DepthState, t: int) -> torch.Tensor:
         if state.partial is None:  # t is a block end: completed sources only

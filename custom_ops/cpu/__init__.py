@@ -35,7 +35,7 @@ from custom_ops.layout import rows
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
 NORM_EPS = torch.finfo(torch.float32).eps
 _SOURCE = Path(__file__).with_name("depth_read.c")
-ABI = 2  # lrattnres_cpu_abi() of a library this wrapper can call
+ABI = 3  # lrattnres_cpu_abi() of a library this wrapper can call
 _MIN_TOKENS_PER_THREAD = 64
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _N = ctypes.c_int
@@ -116,9 +116,7 @@ def _threads(n: int) -> int:
 
 
 def _usable(*tensors) -> bool:
-    return ENABLED and all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32) for t in tensors
-    )
+    return ENABLED and all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in tensors)
 
 
 def _table(tensors, ctype):
@@ -174,9 +172,25 @@ def read_fwd(values, keys, queries, eps: float):
     return out, lse
 
 
+def _per_query_rows(grad_out, nc: int, n: int, d: int):
+    """``(kept, table)``: the address of each query's ``[n, d]`` gradient, from one ``[C, ...,
+    d]`` tensor or from a sequence of C tensors (None entries: zero); table None when there is
+    no gradient at all."""
+    if grad_out is None:
+        return None, None
+    if isinstance(grad_out, torch.Tensor):
+        g, ptr = _flat(grad_out)
+        return g, _table([ptr + 4 * c * n * d for c in range(nc)], _P)  # fp32: 4 bytes
+    flats = [_flat(g) for g in grad_out]
+    return flats, _table([p for _, p in flats], _P)
+
+
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
-    """``composite.read_bwd`` fused, or None when not applicable."""
-    tensors = (*values, *(keys or ()), queries, lse, grad_out, grad_lse)
+    """``composite.read_bwd`` fused, or None when not applicable. ``grad_out``: ``[C, ..., d]``
+    or a sequence of C per-query gradients ``[..., d]`` (None entries: zero), each read where it
+    lies (``api.block_read(split=True)``'s backward: no stacked copy)."""
+    per_query = grad_out if isinstance(grad_out, (list, tuple)) else (grad_out,)
+    tensors = (*values, *(keys or ()), queries, lse, *per_query, grad_lse)
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
@@ -184,13 +198,14 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
     kept, tables = _sources(values, keys)
-    (lse2, lse_ptr), (dout, dout_ptr), (dlse, dlse_ptr) = map(_flat, (lse, grad_out, grad_lse))
+    (lse2, lse_ptr), (dlse, dlse_ptr) = _flat(lse), _flat(grad_lse)
+    dout, dout_table = _per_query_rows(grad_out, nc, n, d)
     gv = [torch.empty(shape, dtype=torch.float32) for _ in values]
     gk = None if keys is None else [torch.empty(k.shape, dtype=torch.float32) for k in keys]
     threads = _threads(n)
     dq = torch.empty((nc, rank), dtype=torch.float32)
     args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps), lse_ptr,
-            dout_ptr, dlse_ptr, _table([g.data_ptr() for g in gv], _P),
+            dout_table, dlse_ptr, _table([g.data_ptr() for g in gv], _P),
             _table([g.data_ptr() for g in (gk or gv)], _P), dq.data_ptr())  # fmt: skip
     lib.read_bwd(*args, threads)
     del kept, lse2, dout, dlse

@@ -113,49 +113,87 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
     free(l);
 }
 
-/* Adds the key gradient of sum_c dl[c] * l[c] (l[c] = rstd <q_c, k>) into g [r] and
- * dl[c] * rstd * k into dq [C, r]. RMSNorm backward: dk = rstd dl^T q - k rstd^2 sum(dl l) / r. */
-static void key_grad(const float *k, float rstd, const float *l, const float *dl, const float *q,
-                     int64_t C, int64_t r, float *g, float *dq) {
+/* The key terms of a row's gradient: those of sum_c dl[c] l[c] (l[c] = rstd <q_c, k>, the
+ * RMSNorm backward): dk = sum_c b[c] q_c - coef k with b[c] = dl[c] rstd, coef = rstd^2
+ * sum_c dl[c] l[c] / r; and dq_c += b[c] k (dq [C, r]). */
+typedef struct {
+    const float *q, *b, *k;
+    float coef;
+    float *dq;
+    int64_t r;
+} keyterms;
+
+static keyterms key_terms(const float *k, float rstd, const float *l, const float *dl,
+                          const float *q, int64_t C, int64_t r, float *b, float *dq) {
     double gl = 0;
     for (int64_t c = 0; c < C; c++) gl += (double)dl[c] * l[c];
-    float coef = (float)(gl * rstd * rstd / (double)r);
-    for (int64_t j = 0; j < r; j++) g[j] -= k[j] * coef;
-    for (int64_t c = 0; c < C; c++) {
-        float a = dl[c] * rstd;
-        const float *qc = q + c * r;
-        float *dqc = dq + c * r;
-        for (int64_t j = 0; j < r; j++) {
-            g[j] += a * qc[j];
-            dqc[j] += a * k[j];
-        }
+    for (int64_t c = 0; c < C; c++) b[c] = dl[c] * rstd;
+    return (keyterms){q, b, k, (float)(gl * rstd * rstd / (double)r), dq, r};
+}
+
+#define MIX 64 /* columns of one mix_row step: its accumulator (256 bytes) stays in L1 */
+
+static inline void axpy_acc(float *restrict acc, const float *restrict x, float a, int64_t m) {
+    for (int64_t l = 0; l < m; l++) acc[l] += a * x[l];
+}
+
+/* acc += b q; dq += b k over m columns. */
+static inline void key_acc(float *restrict acc, float *restrict dq, const float *restrict q,
+                           const float *restrict k, float b, int64_t m) {
+    for (int64_t l = 0; l < m; l++) {
+        acc[l] += b * q[l];
+        dq[l] += b * k[l];
     }
 }
 
-/* For one source row v [d] and its gradient row g [d]: da[c] = <dh_c, v> and g = sum_c w[c]
- * dh_c (left to right) over the C rows dh_c = dh + c*ldh, row at a time. */
-static void grad_pass(const float *dh, int64_t ldh, int64_t C, const float *v, int64_t d,
-                      const float *w, float *g, float *da) {
-    for (int64_t c = 0; c < C; c++) da[c] = dot(dh + c * ldh, v, d);
-    float a = w[0];
-    for (int64_t j = 0; j < d; j++) g[j] = a * dh[j];
-    for (int64_t c = 1; c < C; c++) {
-        const float *x = dh + c * ldh;
-        a = w[c];
-        for (int64_t j = 0; j < d; j++) g[j] += a * x[j];
+/* Columns [j, j + m) of mix_row (m <= MIX; inlined with m = MIX for the vector body). */
+static inline __attribute__((always_inline)) void mix_chunk(
+    float *restrict out, int64_t j, int64_t m, int64_t C, const float *const *x, int64_t xo,
+    const float *a, const keyterms *kt) {
+    float acc[MIX];
+    for (int l = 0; l < MIX; l++) acc[l] = 0.0f;
+    for (int64_t c = 0; x && c < C; c++)
+        if (x[c]) axpy_acc(acc, x[c] + xo + j, a[c], m);
+    if (kt) {
+        axpy_acc(acc, kt->k + j, -kt->coef, m);
+        for (int64_t c = 0; c < C; c++)
+            key_acc(acc, kt->dq + c * kt->r + j, kt->q + c * kt->r + j, kt->k + j, kt->b[c], m);
     }
+    for (int64_t l = 0; l < m; l++) out[j + l] = acc[l];
 }
 
-/* Backward of read_fwd. dout [C, n, d] and dlse [C, n] may be NULL. gv: S contiguous [n, d];
+/* One gradient row [0, n), written once: out = sum_c a[c] x[c][xo:] (left to right; x or an
+ * x[c] NULL: zero), plus the key terms kt (NULL: none) over the same columns. */
+static void mix_row(float *out, int64_t n, int64_t C, const float *const *x, int64_t xo,
+                    const float *a, const keyterms *kt) {
+    int64_t j = 0;
+    for (; j + MIX <= n; j += MIX) mix_chunk(out, j, MIX, C, x, xo, a, kt);
+    if (j < n) mix_chunk(out, j, n - j, C, x, xo, a, kt);
+}
+
+/* Gradient row of one source v [d] (key: its last r columns if sliced, else its own row gk):
+ * the value part sum_c a[c] dh[c] and the key terms, each column written once. */
+static void source_grad(const float *const *dh, int64_t C, const float *a, int64_t d,
+                        int sliced, const keyterms *kt, float *g, float *gk) {
+    int64_t head = sliced ? d - kt->r : d;
+    mix_row(g, head, C, dh, 0, a, NULL);
+    if (sliced) mix_row(g + head, kt->r, C, dh, head, a, kt);
+    else mix_row(gk, kt->r, C, NULL, 0, NULL, kt);
+}
+
+/* Backward of read_fwd. dout: C contiguous [n, d] gradients, one per query (the table or any
+ * entry may be NULL: zero); dlse [C, n] may be NULL. gv: S contiguous [n, d];
  * gk: S contiguous [n, r] (unused if sliced); dq [C, r] partial of this call, accumulated. */
 static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, const float *lse,
-              const float *dout, const float *dlse, float *const *gv, float *const *gk,
-              float *dq, int64_t t0, int64_t t1) {
-    float *l = malloc(sizeof(float) * (S * C * 3 + S));
-    float *a = l + S * C, *dl = a + S * C, *rstd = dl + S * C;
+              const float *const *dout, const float *dlse, float *const *gv,
+              float *const *gk, float *dq, int64_t t0, int64_t t1) {
+    float *l = malloc(sizeof(float) * (S * C * 3 + S + C));
+    float *a = l + S * C, *dl = a + S * C, *rstd = dl + S * C, *b = rstd + S;
+    const float **dh = malloc(sizeof(float *) * C);
     for (int64_t i = t0; i < t1; i++) {
+        for (int64_t c = 0; c < C; c++) dh[c] = dout && dout[c] ? dout[c] + i * d : NULL;
         for (int64_t s = 0; s < S; s++)
             rstd[s] = key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps,
                                  l + s * C);
@@ -171,17 +209,12 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         }
         if (i + 1 < t1) {
             for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
-            for (int64_t c = 0; dout && c < C; c++) prefetch_row(dout + (c * n + i + 1) * d, d);
+            for (int64_t c = 0; c < C; c++)
+                if (dh[c]) prefetch_row(dh[c] + d, d);
         }
-        for (int64_t s = 0; s < S; s++) { /* dl holds da = <dh_c, v_s> until rescaled below */
-            float *g = gv[s] + i * d;
-            if (dout) {
-                grad_pass(dout + i * d, n * d, C, vp[s] + i * vs[s], d, a + s * C, g, dl + s * C);
-            } else {
-                memset(g, 0, sizeof(float) * d);
-                memset(dl + s * C, 0, sizeof(float) * C);
-            }
-        }
+        for (int64_t s = 0; s < S; s++) /* dl holds da = <dh_c, v_s> until rescaled below */
+            for (int64_t c = 0; c < C; c++)
+                dl[s * C + c] = dh[c] ? dot(dh[c], vp[s] + i * vs[s], d) : 0.0f;
         for (int64_t c = 0; c < C; c++) {
             double big_d = 0;
             for (int64_t s = 0; s < S; s++) big_d += (double)a[s * C + c] * dl[s * C + c];
@@ -191,11 +224,12 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         }
         for (int64_t s = 0; s < S; s++) {
             const float *k = key_row(vp, vs, kp, ks, sliced, s, i, d, r);
-            float *gkey = sliced ? gv[s] + i * d + (d - r) : gk[s] + i * r;
-            if (!sliced) memset(gkey, 0, sizeof(float) * r);
-            key_grad(k, rstd[s], l + s * C, dl + s * C, q, C, r, gkey, dq);
+            keyterms kt = key_terms(k, rstd[s], l + s * C, dl + s * C, q, C, r, b, dq);
+            source_grad(dh, C, a + s * C, d, sliced, &kt, gv[s] + i * d,
+                        sliced ? NULL : gk[s] + i * r);
         }
     }
+    free(dh);
     free(l);
 }
 
@@ -270,13 +304,17 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
         float dl = w1 * w2 * (dot(dh, b, d) - dot(dh, a, d));
         d_lse1[i] = -dl;
         float *go = d_o1 + i * d, *gp = d_pv + i * d;
-        for (int64_t j = 0; j < d; j++) {
+        int64_t head = sliced ? d - r : d; /* the partial's key columns: written with their terms */
+        for (int64_t j = 0; j < head; j++) {
             go[j] = w1 * dh[j];
             gp[j] = w2 * dh[j];
         }
-        float *gkey = sliced ? gp + (d - r) : d_pk + i * r;
-        if (!sliced) memset(gkey, 0, sizeof(float) * r);
-        key_grad(k, rstd, &logit, &dl, q, 1, r, gkey, dq);
+        for (int64_t j = head; j < d; j++) go[j] = w1 * dh[j];
+        float bq;
+        keyterms kt = key_terms(k, rstd, &logit, &dl, q, 1, r, &bq, dq);
+        const float *row = dh;
+        if (sliced) mix_row(gp + head, r, 1, &row, head, &w2, &kt);
+        else mix_row(d_pk + i * r, r, 1, NULL, 0, NULL, &kt);
     }
     free(dh);
 }
@@ -288,8 +326,9 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
 
 /* The wrapper's contract (each entry point's arguments and what lies behind each pointer),
  * bumped on any change: custom_ops.cpu.build refuses a library that answers another number
- * (benchmarks.cpu_kernels builds other revisions of this file). 2: dq is the summed gradient. */
-int lrattnres_cpu_abi(void) { return 2; }
+ * (benchmarks.cpu_kernels builds other revisions of this file). 2: dq is the summed gradient;
+ * 3: read_bwd's dout is a table of C per-query gradients. */
+int lrattnres_cpu_abi(void) { return 3; }
 
 /* dq = part[0] + part[1] + ... (threads rows of m, in thread order: deterministic); frees part.
  * Rows of threads OpenMP did not start stay zero. */
@@ -314,7 +353,7 @@ void read_fwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
 void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, const float *lse,
-              const float *dout, const float *dlse, float *const *gv, float *const *gk,
+              const float *const *dout, const float *dlse, float *const *gv, float *const *gk,
               float *dq, int threads) {
     float *part = calloc((size_t)threads * C * r, sizeof(float));
 #pragma omp parallel num_threads(threads)

@@ -16,6 +16,7 @@ from tests.custom_ops.test_custom_ops_read import (
     check_block_read,
     check_depth_read,
     check_merge_partial,
+    check_split_block_read,
 )
 from tests.custom_ops.tolerances import assert_close, rank_one_cancellation
 
@@ -92,3 +93,25 @@ def test_both_cpu_paths_match_the_reference(monkeypatch, enabled, sliced):
     check_block_read(case, 4)
     for emit_norm in (False, True):
         check_merge_partial(case, emit_norm)
+
+
+@pytest.mark.parametrize("route", ["twin", "double", "op"])
+@pytest.mark.parametrize("sliced", [True, False])
+def test_split_block_read_reads_each_site_in_place(route, sliced):
+    """The fused backward reading the c sites' gradients through its per-query table (one of
+    them absent) is bit for bit the backward of the stacked ``[c, ..., d]`` gradient."""
+    case = ReadCase((3, 70), 40, 12, 6, sliced, torch.float32, seed=9)  # several token chunks
+    check_split_block_read(case, 4, [False, True, False, False], route)
+
+
+def test_per_query_gradients_are_the_stacked_one():
+    """``cpu.read_bwd`` with a list of per-query gradients (None: zero) == with their stack."""
+    values, keys, queries = _detached(ReadCase((2, 90), 48, 16, 5, False, torch.float32, 4), 3)
+    lse = cpu.read_fwd(values, keys, queries, 1e-6)[1]
+    g = torch.Generator().manual_seed(5)
+    dout = torch.randn((3, 2, 90, 48), generator=g)
+    dout[1] = 0
+    a = cpu.read_bwd(values, keys, queries, lse, [dout[0], None, dout[2].clone()], None, 1e-6)
+    b = cpu.read_bwd(values, keys, queries, lse, dout, None, 1e-6)
+    for x, y in zip([*a[0], *a[1], a[2]], [*b[0], *b[1], b[2]], strict=True):
+        assert torch.equal(x, y)

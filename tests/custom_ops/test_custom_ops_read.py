@@ -3,6 +3,8 @@ eager reference over hypothesis-generated shapes, ranks, source counts and dtype
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -54,6 +56,46 @@ def check_block_read(case: ReadCase, n_queries: int, backend: str = BACKEND):
         assert_close(f"grad of input {i}", a, b, case.dtype)
 
 
+class _NoOpFunctionMode(torch.overrides.TorchFunctionMode):
+    """Any function mode sends the public API to the registered ops (``api._route``: "op")."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def check_split_block_read(case: ReadCase, n_queries: int, unused: list[bool], route: str,
+                           backend: str = BACKEND):  # fmt: skip
+    """``block_read(split=True)`` == ``block_read`` then ``unbind``, bit for bit: outputs and
+    every gradient, with the sites in ``unused`` left out of the loss (no gradient: the kernels'
+    zero rows). ``route``: "twin" (the split autograd twin, per-site gradients read in place),
+    "double" (the twin with create_graph: its gradients stacked for the op), "op" (a function
+    mode: the registered op, then unbind)."""
+    values, keys, queries = make_read(case, n_queries)
+    inputs = leaves(values, keys, queries)
+    g = torch.Generator().manual_seed(case.seed)
+    weights = [torch.randn(values[0].shape, generator=g) for _ in range(n_queries)]
+    w_lse = torch.randn(values[0].shape[:-1], generator=g)
+
+    def run(split: bool):
+        with _NoOpFunctionMode() if route == "op" else contextlib.nullcontext():
+            out, lse = custom_ops.block_read(values, keys, queries, backend=backend, split=split)
+        assert isinstance(out, list) == split
+        sites = out if split else out.unbind(0)
+        loss = (lse[0] * w_lse).sum()
+        for site, w, skip in zip(sites, weights, unused, strict=True):
+            if not skip:
+                loss = loss + (site * w).sum()
+        grads = torch.autograd.grad(loss, inputs, create_graph=route == "double")
+        return [o.detach() for o in sites], lse.detach(), [x.detach() for x in grads]
+
+    got, want = run(True), run(False)
+    for i, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
+        assert torch.equal(a, b), f"out[{i}]"
+    assert torch.equal(got[1], want[1]), "lse"
+    for i, (a, b) in enumerate(zip(got[2], want[2], strict=True)):
+        assert torch.equal(a, b), f"grad of input {i}: max diff {(a - b).abs().max()}"
+
+
 def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND):
     """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read (SPEC §7)."""
     values, keys, query = make_read(case)
@@ -94,6 +136,16 @@ def test_depth_read_matches_reference(case):
 @given(read_cases(max_sources=12), st.integers(1, 6))
 def test_block_read_matches_per_query_reference(case, n_queries):
     check_block_read(case, n_queries)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    read_cases(max_sources=12),
+    st.lists(st.booleans(), min_size=1, max_size=6),
+    st.sampled_from(["twin", "double", "op"]),
+)
+def test_split_block_read_is_the_unsplit_one(case, unused, route):
+    check_split_block_read(case, len(unused), unused, route)
 
 
 @settings(deadline=None, max_examples=25)
