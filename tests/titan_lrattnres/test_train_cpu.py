@@ -81,11 +81,15 @@ def test_shim_is_idempotent_and_pins_torchtitan(monkeypatch):
 
 
 GLOO_THREADS = textwrap.dedent("""
-    import sys, tempfile, torch.distributed as dist
+    import sys, tempfile, time, torch.distributed as dist
     from titan_lrattnres import cpu
     before = cpu._gloo_threads()
     store = dist.FileStore(tempfile.mktemp(), 1)
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    # a new thread names itself once it runs: until then /proc shows the creator's name
+    deadline = time.monotonic() + 10
+    while not cpu._gloo_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
     print(before, cpu._gloo_threads())
     dist.destroy_process_group()
 """)
