@@ -170,16 +170,16 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split:
 
     if keys is None:
         args = (values, queries, _eps(eps), impl)
-        op, eager = torch.ops.lrattnres.block_read_sliced, ops.block_read_sliced_eager
-        split_eager = ops.block_read_sliced_split_eager
+        op = torch.ops.lrattnres.block_read_sliced
+        eager = ops.block_read_sliced_split_eager if split else ops.block_read_sliced_eager
     else:
         args = (values, keys, queries, _eps(eps), impl)
-        op, eager = torch.ops.lrattnres.block_read, ops.block_read_eager
-        split_eager = ops.block_read_split_eager
-    if split and _route(ops.tensors_of(args)) == "twin":
-        return split_eager.apply(*args)
+        op = torch.ops.lrattnres.block_read
+        eager = ops.block_read_split_eager if split else ops.block_read_eager
     out, lse = _call(op, eager, direct, *args)
-    return (list(out.unbind(0)), lse) if split else (out, lse)
+    if split and isinstance(out, torch.Tensor):  # the op or direct: the split twin gives a list
+        out = list(out.unbind(0))
+    return out, lse
 
 
 def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):

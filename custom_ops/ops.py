@@ -155,13 +155,16 @@ def _eager_twin(name: str, impl, setup_context, backward, tensorlists: bool):
     return twin
 
 
+def _backward_direct(*args) -> bool:
+    """Whether a backward formula may call its backward op's implementation itself: eager, and
+    no graph of the backward recorded (create_graph); else the op (which a trace must see, and
+    which refuses a double backward)."""
+    return not torch.is_grad_enabled() and plain(*tensors_of(args))
+
+
 def _backward_call(op, impl, *args):
-    """A backward formula's call of its backward op: the implementation itself when eager and
-    no graph of the backward is recorded (create_graph), else the op (which a trace must see,
-    and which refuses a double backward)."""
-    if not torch.is_grad_enabled() and plain(*tensors_of(args)):
-        return impl(*args)
-    return op(*args)
+    """A backward formula's call of its backward op (``_backward_direct`` says which way)."""
+    return impl(*args) if _backward_direct(*args) else op(*args)
 
 
 # --------------------------------------------------------------------------- read ops
@@ -220,24 +223,18 @@ def _read_op(name: str, sliced: bool, bank: bool):
         ctx.save_for_backward(*values, *keys, query, output[1])
 
     def backward(ctx, grad_out, grad_lse):
+        """``grad_out`` may be the split twin's list of per-site gradients: the implementation
+        reads it as it is, the op (one tensor) gets it stacked."""
         saved = ctx.saved_tensors
         values, keys, query, lse = saved[: ctx.n], saved[ctx.n : -2], saved[-2], saved[-1]
         if not bank:
             query, lse = query.unsqueeze(0), lse.unsqueeze(0)
             grad_out = None if grad_out is None else grad_out.unsqueeze(0)
             grad_lse = None if grad_lse is None else grad_lse.unsqueeze(0)
-        gv, gk, gq = _backward_call(
-            torch.ops.lrattnres.read_backward,
-            _read_backward_impl,
-            list(values),
-            list(keys),
-            query,
-            lse,
-            grad_out,
-            grad_lse,
-            ctx.eps,
-            ctx.impl,
-        )
+        args = [list(values), list(keys), query, lse, grad_out, grad_lse, ctx.eps, ctx.impl]
+        if isinstance(grad_out, list) and not _backward_direct(*args):
+            args[4] = _stacked(grad_out, values[0])
+        gv, gk, gq = _backward_call(torch.ops.lrattnres.read_backward, _read_backward_any, *args)
         gq = gq if bank else gq[0]
         if sliced:
             return list(gv), gq, None, None
@@ -255,17 +252,7 @@ def _read_op(name: str, sliced: bool, bank: bool):
     def split_setup(ctx, inputs, output):
         setup_context(ctx, inputs, (None, output[1]))
 
-    def split_backward(ctx, grad_outs, grad_lse):
-        if torch.is_grad_enabled() or not plain(*tensors_of([grad_outs, grad_lse])):
-            return backward(ctx, _stacked(grad_outs, ctx.saved_tensors[0]), grad_lse)
-        saved = ctx.saved_tensors
-        values, keys, query, lse = saved[: ctx.n], saved[ctx.n : -2], saved[-2], saved[-1]
-        gv, gk, gq = _read_backward_any(
-            list(values), list(keys), query, lse, grad_outs, grad_lse, ctx.eps, ctx.impl
-        )
-        return (list(gv), gq, None, None) if sliced else (list(gv), list(gk), gq, None, None)
-
-    split = _eager_twin(f"{name}_split", split_fn, split_setup, split_backward, tensorlists=True)
+    split = _eager_twin(f"{name}_split", split_fn, split_setup, backward, tensorlists=True)
     return op, twin, split
 
 
