@@ -7,10 +7,11 @@ revision's, side by side in one process.
 Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags). For each shape
 (the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
 on the same tensors, the two libraries alternating call by call, each call after a 32 MB copy
-that evicts the caches (in a training step the read's data is cold). The report is the median
-of each and their ratio, with the largest relative difference between the two libraries' results
-(the work timed is the same). This machine's noise moves single calls by tens of percent; the
-alternation keeps it out of the ratio.
+that evicts the caches (in a training step the read's data is cold), freed memory kept as the
+CPU trainer keeps it (``titan_lrattnres.cpu.keep_freed_memory``: fresh outputs do not
+page-fault). The report is the median of each and their ratio, with the largest relative
+difference between the two libraries' results (the work timed is the same). This machine's
+noise moves single calls by tens of percent; the alternation keeps it out of the ratio.
 
 ``--model LAYERS,DIM,SEQ`` times the project's own model instead (``benchmarks.overhead.build``:
 sublayers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
@@ -34,13 +35,19 @@ import torch
 
 from custom_ops import cpu
 
-# name: (keys, S sources, C sites, tokens, d, r); "standard" is r = d with the value as key
+# name: (keys, S sources, C sites, tokens, d, r[, logit sd]); "standard" is r = d with the value
+# as key. Queries ~ N(0, sd^2 / r): logits of sd ~ 1 (default), or a routing that has learnt to
+# prefer some sources (sd 32: weights below 2^-126, the kernels' flush)
 SHAPES = {
     "L24 sliced": ("sliced", 9, 6, 512, 1024, 64),
     "L24 projected": ("projected", 9, 6, 512, 1024, 32),
     "L24 standard": ("standard", 9, 6, 512, 1024, 1024),
+    "L24 standard peaked": ("standard", 9, 6, 512, 1024, 1024, 32.0),
     "L24 sliced S=4": ("sliced", 4, 6, 512, 1024, 64),
     "L12 sliced": ("sliced", 9, 3, 1024, 512, 64),
+    "cpu_small sliced": ("sliced", 3, 2, 2048, 128, 32),  # make train's model, its widest read
+    "cpu_small projected": ("projected", 3, 2, 2048, 128, 32),
+    "cpu_small standard": ("standard", 3, 2, 2048, 128, 128),
 }
 KERNELS = ("read_fwd", "read_bwd", "merge_fwd", "merge_bwd")
 _REPO = Path(__file__).resolve().parents[1]
@@ -70,14 +77,14 @@ def _source_at(rev: str, folder: Path) -> Path:
     return path
 
 
-def _calls(keys: str, S: int, C: int, T: int, d: int, r: int, seed: int = 0):
+def _calls(keys: str, S: int, C: int, T: int, d: int, r: int, logit_sd: float = 1.0, seed=0):
     """The four entry points as closures over one set of inputs."""
     g = torch.Generator().manual_seed(seed)
     vals = [torch.randn(T, d, generator=g) for _ in range(S)]
     ks = {"sliced": None, "standard": vals}.get(keys)
     if keys == "projected":
         ks = [torch.randn(T, r, generator=g) for _ in range(S)]
-    q = torch.randn(C, r, generator=g)
+    q = torch.randn(C, r, generator=g) * (logit_sd / r**0.5)
     out, lse = cpu.read_fwd(vals, ks, q, 1e-6)
     dout, dlse = torch.randn(C, T, d, generator=g), torch.randn(C, T, generator=g)
     o1, l1, pv = out[0].clone(), lse[0].clone(), torch.randn(T, d, generator=g)
@@ -220,10 +227,10 @@ def main(argv=None) -> int:
     if any(lib is None for lib in libs.values()):
         print("cpu_kernels: a library did not build (see the warning)", file=sys.stderr)
         return 2
-    if shape is not None:
-        from titan_lrattnres.cpu import keep_freed_memory
+    from titan_lrattnres.cpu import keep_freed_memory
 
-        keep_freed_memory()  # what the CPU trainer runs with
+    keep_freed_memory()  # what the CPU trainer runs with (no page faults on fresh outputs)
+    if shape is not None:
         print(f"cpu_kernels: {a.against} -> working tree, {shape}, {a.steps} steps each")
         rows = compare_model(libs, shape, a.variants.split(","), a.steps)
     else:

@@ -13,6 +13,7 @@
  * so a loop over column chunks of all of them at once competes for the same L1 sets (measured
  * 3.7x slower for the forward).
  */
+#include <float.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -21,21 +22,35 @@
 
 #define W 16 /* float lanes of one vector step (one AVX-512 register, two AVX2) */
 
-/* <a, b>: four independent W-lane float chains (the FMA latency hidden), combined pairwise to
- * W/2 lanes, which are summed in double with the tail. */
+/* Half a W-lane step as one GCC vector (one AVX2 register, the width gcc picks on AVX-512
+ * parts too); vl loads one from any float address. Written as vectors: gcc 12 scalarised the
+ * same loops over float arrays (the W-lane tail of a dot: element by element via the stack). */
+#define H (W / 2) /* floats of one vh */
+typedef float vh __attribute__((vector_size(2 * W)));
+typedef float vh_u __attribute__((vector_size(2 * W), aligned(4), may_alias));
+
+static inline vh vl(const float *p) { return *(const vh_u *)p; }
+
+/* <a, b>: four independent W-lane float chains (the FMA latency hidden; each two half vectors),
+ * added lane-wise, then the W lanes summed in a tree (halves added), plus the tail (n mod W)
+ * in double. */
 static float dot(const float *a, const float *b, int64_t n) {
-    float acc[4][W] = {{0}};
+    vh acc[8] = {{0}};
     int64_t j = 0;
     for (; j + 4 * W <= n; j += 4 * W)
-        for (int u = 0; u < 4; u++)
-            for (int l = 0; l < W; l++) acc[u][l] += a[j + u * W + l] * b[j + u * W + l];
-    for (; j + W <= n; j += W)
-        for (int l = 0; l < W; l++) acc[0][l] += a[j + l] * b[j + l];
-    for (int l = 0; l < W; l++) acc[0][l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+        for (int u = 0; u < 8; u++) acc[u] += vl(a + j + u * H) * vl(b + j + u * H);
+    for (; j + W <= n; j += W) {
+        acc[0] += vl(a + j) * vl(b + j);
+        acc[1] += vl(a + j + H) * vl(b + j + H);
+    }
     double s = 0;
     for (; j < n; j++) s += (double)a[j] * b[j];
-    for (int l = 0; l < W / 2; l++) s += acc[0][l] + acc[0][l + W / 2];
-    return (float)s;
+    vh x = ((acc[0] + acc[2]) + (acc[4] + acc[6])) + ((acc[1] + acc[3]) + (acc[5] + acc[7]));
+    float t[H];
+    memcpy(t, &x, sizeof t);
+    for (int h = H / 2; h > 0; h /= 2)
+        for (int l = 0; l < h; l++) t[l] += t[l + h];
+    return (float)(s + t[0]);
 }
 
 /* sum_j k[j]^2 in double (no overflow or underflow for any fp32 k), in 8 double lanes. */
@@ -49,6 +64,13 @@ static double sumsq(const float *k, int64_t n) {
     for (int l = 0; l < 8; l++) s += lane[l];
     return s;
 }
+
+/* A routing weight below fp32's smallest normal as 0. A subnormal weight (a source's logit 87 or
+ * more behind the best) multiplies a whole row at many times the cost (x86 microcode assists;
+ * standard AttnRes at d=1024 with logits of sd 32, benchmarks.cpu_kernels: read forward 7.25 ->
+ * 2.58 ms, backward 18.95 -> 8.22 ms), and what it carries is below 2^-126 of the row: the
+ * contract (custom_ops.api) lets such weights flush. */
+static inline float flush(float a) { return a < FLT_MIN ? 0.0f : a; }
 
 /* Hint row [0, n) of floats into L2: the next token's, while this one is computed (the reads
  * and the merge backward measured 0.68-0.95x of their time with the hardware prefetchers alone,
@@ -94,7 +116,7 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
             }
             lse[c * n + i] = m + (float)log(z);
             float inv_z = (float)(1.0 / z);
-            for (int64_t s = 0; s < S; s++) l[s * C + c] *= inv_z;
+            for (int64_t s = 0; s < S; s++) l[s * C + c] = flush(l[s * C + c] * inv_z);
         }
         if (i + 1 < t1)
             for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
@@ -131,35 +153,33 @@ static keyterms key_terms(const float *k, float rstd, const float *l, const floa
     return (keyterms){q, b, k, (float)(gl * rstd * rstd / (double)r), dq, r};
 }
 
-#define MIX 64 /* columns of one mix_row step: its accumulator (256 bytes) stays in L1 */
+#define U 4 /* vectors per step of mix_cols: U * H columns, U independent accumulators */
 
-static inline void axpy_acc(float *restrict acc, const float *restrict x, float a, int64_t m) {
-    for (int64_t l = 0; l < m; l++) acc[l] += a * x[l];
-}
+static inline void vs_(float *p, vh x) { *(vh_u *)p = x; }
 
-/* acc += b q; dq += b k over m columns. */
-static inline void key_acc(float *restrict acc, float *restrict dq, const float *restrict q,
-                           const float *restrict k, float b, int64_t m) {
-    for (int64_t l = 0; l < m; l++) {
-        acc[l] += b * q[l];
-        dq[l] += b * k[l];
-    }
-}
-
-/* Columns [j, j + m) of mix_row (m <= MIX; inlined with m = MIX for the vector body). */
-static inline __attribute__((always_inline)) void mix_chunk(
-    float *restrict out, int64_t j, int64_t m, int64_t C, const float *const *x, int64_t xo,
+/* Columns [j, j + u H) of mix_row, u <= U (inlined with u = U and u = 1):
+ * acc = sum_c a[c] x[c] - coef k + sum_c b[c] q_c, dq_c += b[c] k, each column stored once. */
+static inline __attribute__((always_inline)) void mix_cols(
+    float *restrict out, int64_t j, int u, int64_t C, const float *const *x, int64_t xo,
     const float *a, const keyterms *kt) {
-    float acc[MIX];
-    for (int l = 0; l < MIX; l++) acc[l] = 0.0f;
+    vh acc[U];
+    for (int v = 0; v < u; v++) acc[v] = (vh){0};
     for (int64_t c = 0; x && c < C; c++)
-        if (x[c]) axpy_acc(acc, x[c] + xo + j, a[c], m);
+        if (x[c])
+            for (int v = 0; v < u; v++) acc[v] += a[c] * vl(x[c] + xo + j + v * H);
     if (kt) {
-        axpy_acc(acc, kt->k + j, -kt->coef, m);
-        for (int64_t c = 0; c < C; c++)
-            key_acc(acc, kt->dq + c * kt->r + j, kt->q + c * kt->r + j, kt->k + j, kt->b[c], m);
+        const float *k = kt->k + j;
+        for (int v = 0; v < u; v++) acc[v] -= kt->coef * vl(k + v * H);
+        for (int64_t c = 0; c < C; c++) {
+            const float *q = kt->q + c * kt->r + j;
+            float *dq = kt->dq + c * kt->r + j, b = kt->b[c];
+            for (int v = 0; v < u; v++) {
+                acc[v] += b * vl(q + v * H);
+                vs_(dq + v * H, vl(dq + v * H) + b * vl(k + v * H));
+            }
+        }
     }
-    for (int64_t l = 0; l < m; l++) out[j + l] = acc[l];
+    for (int v = 0; v < u; v++) vs_(out + j + v * H, acc[v]);
 }
 
 /* One gradient row [0, n), written once: out = sum_c a[c] x[c][xo:] (left to right; x or an
@@ -167,8 +187,21 @@ static inline __attribute__((always_inline)) void mix_chunk(
 static void mix_row(float *out, int64_t n, int64_t C, const float *const *x, int64_t xo,
                     const float *a, const keyterms *kt) {
     int64_t j = 0;
-    for (; j + MIX <= n; j += MIX) mix_chunk(out, j, MIX, C, x, xo, a, kt);
-    if (j < n) mix_chunk(out, j, n - j, C, x, xo, a, kt);
+    for (; j + U * H <= n; j += U * H) mix_cols(out, j, U, C, x, xo, a, kt);
+    for (; j + H <= n; j += H) mix_cols(out, j, 1, C, x, xo, a, kt);
+    for (; j < n; j++) { /* the last n mod H columns */
+        float acc = 0.0f;
+        for (int64_t c = 0; x && c < C; c++)
+            if (x[c]) acc += a[c] * x[c][xo + j];
+        if (kt) {
+            acc -= kt->coef * kt->k[j];
+            for (int64_t c = 0; c < C; c++) {
+                acc += kt->b[c] * kt->q[c * kt->r + j];
+                kt->dq[c * kt->r + j] += kt->b[c] * kt->k[j];
+            }
+        }
+        out[j] = acc;
+    }
 }
 
 /* Gradient row of one source v [d] (key: its last r columns if sliced, else its own row gk):
@@ -205,7 +238,7 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
                 a[s * C + c] = expf(l[s * C + c] - lse[c * n + i]);
                 z += a[s * C + c];
             }
-            for (int64_t s = 0; s < S; s++) a[s * C + c] = (float)(a[s * C + c] / z);
+            for (int64_t s = 0; s < S; s++) a[s * C + c] = flush((float)(a[s * C + c] / z));
         }
         if (i + 1 < t1) {
             for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
@@ -239,10 +272,10 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
 static float merge_weight(const float *k, const float *q, int64_t r, double eps, float lse1,
                           float *logit, float *rstd, float *w1_out) {
     *rstd = key_logits(k, q, 1, r, eps, logit);
-    float m = fmaxf(lse1, *logit);
+    float m = lse1 > *logit ? lse1 : *logit;
     float w1 = expf(lse1 - m), w2 = expf(*logit - m);
-    *w1_out = w1 / (w1 + w2);
-    return w2 / (w1 + w2);
+    *w1_out = flush(w1 / (w1 + w2));
+    return flush(w2 / (w1 + w2));
 }
 
 /* h [n, d] = w1 out1 + w2 pv; norm [n, d] = RMSNorm(h) (norm_eps) when norm != NULL. */
@@ -277,7 +310,7 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
                const float *gn, float *d_o1, float *d_lse1, float *d_pv, float *d_pk, float *dq,
                int64_t t0, int64_t t1) {
     (void)n;
-    float *dh = malloc(sizeof(float) * d);
+    float *buf = calloc((size_t)d, sizeof(float)); /* dh when gn is given, else zeros */
     for (int64_t i = t0; i < t1; i++) {
         if (i + 1 < t1) {
             prefetch_row(o1 + (i + 1) * o1s, d);
@@ -291,14 +324,15 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
         float logit, rstd;
         const float *k = pk + i * pks;
         float w1, w2 = merge_weight(k, q, r, eps, lse1[i], &logit, &rstd, &w1);
-        if (gh) memcpy(dh, gh + i * d, sizeof(float) * d);
-        else memset(dh, 0, sizeof(float) * d);
+        const float *dh = gh ? gh + i * d : buf; /* the gradient reaching h */
         if (gn) {
             const float *hi = h + i * d, *gy = gn + i * d;
             float hr = (float)(1.0 / sqrt((double)dot(hi, hi, d) / (double)d + norm_eps));
             /* y = h hr: dh += hr (gy - y mean(gy y)) = hr (gy - h hr^2 <gy, h> / d) */
             float cy = dot(gy, hi, d) * hr * hr / (float)d;
-            for (int64_t j = 0; j < d; j++) dh[j] += hr * (gy[j] - hi[j] * cy);
+            for (int64_t j = 0; j < d; j++)
+                buf[j] = (gh ? gh[i * d + j] : 0.0f) + hr * (gy[j] - hi[j] * cy);
+            dh = buf;
         }
         const float *a = o1 + i * o1s, *b = pv + i * pvs;
         float dl = w1 * w2 * (dot(dh, b, d) - dot(dh, a, d));
@@ -316,7 +350,7 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
         if (sliced) mix_row(gp + head, r, 1, &row, head, &w2, &kt);
         else mix_row(d_pk + i * r, r, 1, NULL, 0, NULL, &kt);
     }
-    free(dh);
+    free(buf);
 }
 
 /* Tokens [t0, t1) of thread t of nt. */

@@ -115,3 +115,26 @@ def test_per_query_gradients_are_the_stacked_one():
     b = cpu.read_bwd(values, keys, queries, lse, dout, None, 1e-6)
     for x, y in zip([*a[0], *a[1], a[2]], [*b[0], *b[1], b[2]], strict=True):
         assert torch.equal(x, y)
+
+
+def test_subnormal_weights_carry_nothing():
+    """A source whose logit trails by 95 (weight e^-95 ~ 5e-42, below 2^-126) adds nothing: out,
+    its value gradient and the merge's share of it are exactly 0 where the lead source is 0 (the
+    kernels flush such weights, as the contract allows: a subnormal weight costs x86 assists on
+    every element it multiplies). The eager composite keeps the subnormal there."""
+    d, r, n = 16, 8, 5
+    values = [torch.zeros(n, d), torch.zeros(n, d)]
+    values[0][:, d - r] = 1.0  # sliced keys: e_0 and -e_0, normalised to +-sqrt(r)
+    values[1][:, d - r] = -1.0
+    values[1][:, : d - r] = 1.0  # the trailing source's value, where the lead's is 0
+    q = torch.zeros(1, r)
+    q[0, 0] = 95.0 / (2 * r**0.5)
+    out, lse = cpu.read_fwd(values, None, q, 1e-6)
+    eager = composite.read_fwd(values, None, q, 1e-6)[0]
+    assert torch.all(eager[0, :, : d - r] > 0) and torch.all(eager[0, :, : d - r] < 2.0**-126)
+    assert torch.all(out[0, :, : d - r] == 0)
+    gv = cpu.read_bwd(values, None, q, lse, torch.ones(1, n, d), None, 1e-6)[0]
+    assert torch.all(gv[1] == 0) and torch.all(gv[0][:, : d - r] == 1)
+    # the merge: out1 with lse1 = 47.5 against a partial of logit -47.5
+    h = cpu.merge_fwd(values[0], torch.full((n,), 47.5), values[1], None, q[0], 1e-6, False)[0]
+    assert torch.all(h[:, : d - r] == 0)
