@@ -77,7 +77,7 @@ def _source_at(rev: str, folder: Path) -> Path:
     return path
 
 
-def _calls(keys: str, S: int, C: int, T: int, d: int, r: int, logit_sd: float = 1.0, seed=0):
+def _calls(keys: str, S: int, C: int, T: int, d: int, r: int, logit_sd: float = 1.0, seed: int = 0):
     """The four entry points as closures over one set of inputs."""
     g = torch.Generator().manual_seed(seed)
     vals = [torch.randn(T, d, generator=g) for _ in range(S)]
