@@ -183,13 +183,15 @@ static inline __attribute__((always_inline)) void mix_cols(
 }
 
 /* One gradient row [0, n), written once: out = sum_c a[c] x[c][xo:] (left to right; x or an
- * x[c] NULL: zero), plus the key terms kt (NULL: none) over the same columns; steps of u = U or
- * 2 U vectors, then single vectors, then single columns. */
-static inline __attribute__((always_inline)) void mix_row_u(
-    int u, float *out, int64_t n, int64_t C, const float *const *x, int64_t xo, const float *a,
+ * x[c] NULL: zero), plus the key terms kt (NULL: none) over the same columns. Steps of 2 U vectors
+ * on rows of 512 columns or more (standard AttnRes's key terms at d = 1024: read backward 0.92x;
+ * at d = 128 they measured up to 1.1x slower), then U, then single vectors and columns. Inlined:
+ * as a call per row, the d = 128 read backward measured 1.09x. */
+static inline __attribute__((always_inline)) void mix_row(
+    float *out, int64_t n, int64_t C, const float *const *x, int64_t xo, const float *a,
     const keyterms *kt) {
     int64_t j = 0;
-    if (u == 2 * U)
+    if (n >= 512)
         for (; j + 2 * U * H <= n; j += 2 * U * H) mix_cols(out, j, 2 * U, C, x, xo, a, kt);
     for (; j + U * H <= n; j += U * H) mix_cols(out, j, U, C, x, xo, a, kt);
     for (; j + H <= n; j += H) mix_cols(out, j, 1, C, x, xo, a, kt);
@@ -206,16 +208,6 @@ static inline __attribute__((always_inline)) void mix_row_u(
         }
         out[j] = acc;
     }
-}
-
-/* mix_row_u, rows of 512 columns or more in steps of 2 U vectors (standard AttnRes's key terms
- * at d = 1024: read backward 0.92x), shorter ones in steps of U (2 U measured up to 1.1x slower
- * at d = 128). Inlined: as a call per row, the d = 128 read backward measured 1.09x. */
-static inline __attribute__((always_inline)) void mix_row(
-    float *out, int64_t n, int64_t C, const float *const *x, int64_t xo, const float *a,
-    const keyterms *kt) {
-    if (n >= 512) mix_row_u(2 * U, out, n, C, x, xo, a, kt);
-    else mix_row_u(U, out, n, C, x, xo, a, kt);
 }
 
 /* Gradient row of one source v [d] (key: its last r columns if sliced, else its own row gk):
