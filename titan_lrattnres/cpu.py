@@ -26,6 +26,18 @@ installs the patches below, and only when no accelerator is present:
       it. ``atexit`` handlers run before finalization, while other threads may still take the
       GIL.
 
+- P8  ``serial_helper_threads()``: torch ops that other threads run (gloo's workers: the copies
+      of a collective) use one thread; the calling thread keeps its count. A thread that runs
+      a parallel torch op starts its own OpenMP team and keeps it, and once libgomp manages
+      more threads than there are CPUs, every team waits for work with a short spin and then
+      sleeps: the main thread's many small parallel ops each pay a futex wake-up. In
+      ``make train`` the first checkpoint's collectives did it (the gloo workers' team threads
+      are named ``pt_gloo_runloop``): tokens/s fell ~20 % from the first save on, for every
+      variant. Results move at rounding level, as with any change of torch's thread settings
+      (``make train``'s validation loss 4.9594 -> 4.9589, and 4.9602 with a bare
+      ``torch.set_num_threads(2)``; the first gradient apart is an attention backward's),
+      and stay reproducible run to run.
+
 No FlexAttention patch is needed: the model uses SDPA on CPU (``attn_backend="auto"``).
 The patches touch torchtitan internals and were written for exactly ``TORCHTITAN_VERSION``.
 """
@@ -120,6 +132,41 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 2**31 - 1))
 
 
+def _loaded_library(stem: str) -> str | None:
+    """Path of the loaded shared library whose file name starts with ``stem`` (Linux)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        return None
+    return next((p for p in sorted(paths) if os.path.basename(p).startswith(stem)), None)
+
+
+def serial_helper_threads() -> bool:
+    """P8: torch ops run on other threads (gloo's workers) with one thread; this one keeps its
+    count. True when applied (GNU OpenMP, and MKL's per-thread setting when torch has MKL)."""
+    import ctypes
+
+    n = torch.get_num_threads()
+    gomp, torch_cpu = _loaded_library("libgomp"), _loaded_library("libtorch_cpu")
+    if n <= 1 or gomp is None:
+        return False
+    mkl = None
+    if torch.backends.mkl.is_available():
+        lib = ctypes.CDLL(torch_cpu) if torch_cpu else None
+        mkl = getattr(lib, "MKL_Set_Num_Threads_Local", None)  # C's; lowercase: Fortran's
+        if mkl is None:  # its GEMMs would follow the new default of 1
+            return False
+    torch.set_num_threads(1)  # the default of every thread that starts computing from now on
+    ctypes.CDLL(gomp).omp_set_num_threads(n)  # this thread's own OpenMP count ...
+    if mkl is not None:
+        mkl(n)  # ... and MKL's
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+        return False
+    return True
+
+
 def _patch_fsdp_sum_reduction() -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -194,6 +241,7 @@ def apply(force: bool = False) -> bool:
     _patch_fsdp_sum_reduction()  # P5
     keep_freed_memory()  # P6
     release_gloo_at_exit()  # P7
+    serial_helper_threads()  # P8
     _applied = True
     return True
 

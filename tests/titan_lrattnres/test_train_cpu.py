@@ -104,6 +104,38 @@ def test_gloo_threads_are_seen_for_the_exit_release(env):
     assert before == 0 and after > 0, p.stdout
 
 
+HELPER_TEAM = textwrap.dedent("""
+    import json, os, sys, tempfile, torch, torch.distributed as dist
+    from titan_lrattnres import cpu
+    torch.set_num_threads(2)  # a team of two on any machine
+    applied = sys.argv[1] == "1" and cpu.serial_helper_threads()
+    dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0,
+                            world_size=1)
+    (torch.ones(1 << 20) * 2).sum()  # this thread's team exists
+    before = len(os.listdir("/proc/self/task"))
+    out = [None]
+    dist.all_gather_object(out, list(range(200_000)))  # copied on a gloo worker thread
+    new = len(os.listdir("/proc/self/task")) - before
+    print(json.dumps({"applied": applied, "new_threads": new, "threads": torch.get_num_threads()}))
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_collectives_start_no_second_openmp_team(env):
+    """P8: a gloo worker's copy starts its own OpenMP team without it (one more thread, and
+    every team then sleeps between regions); with it that thread computes alone and this one
+    keeps its two threads."""
+    runs = {}
+    for patched in ("0", "1"):
+        p = subprocess.run([sys.executable, "-c", HELPER_TEAM, patched], env=env, cwd=ROOT,
+                           text=True, capture_output=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]
+        runs[patched] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert runs["0"]["new_threads"] >= 1, runs  # the premise: without P8 a team is started
+    assert runs["1"] == {"applied": True, "new_threads": 0, "threads": 2}, runs
+
+
 def test_single_process_run_learns_and_writes_summary(reference_run):
     s = json.loads((reference_run / "summary.json").read_text())
     hist = _history(reference_run)
