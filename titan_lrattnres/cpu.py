@@ -33,7 +33,10 @@ installs the patches below, and only when no accelerator is present:
       sleeps: the main thread's many small parallel ops each pay a futex wake-up. In
       ``make train`` the first checkpoint's collectives did it (the gloo workers' team threads
       are named ``pt_gloo_runloop``): tokens/s fell ~20 % from the first save on, for every
-      variant. Results move at rounding level, as with any change of torch's thread settings
+      variant; with it those steps run at the pre-save speed (+25 %), and steps before any
+      save 0.6-3.4 % slower, what any explicit thread setting costs here (a bare
+      ``torch.set_num_threads(2)`` measured the same; README, "make train throughput").
+      Results move at rounding level, as with any change of torch's thread settings
       (``make train``'s validation loss 4.9594 -> 4.9589, and 4.9602 with a bare
       ``torch.set_num_threads(2)``; the first gradient apart is an attention backward's),
       and stay reproducible run to run.
