@@ -31,6 +31,25 @@ typedef float vh_u __attribute__((vector_size(2 * W), aligned(4), may_alias));
 
 static inline vh vl(const float *p) { return *(const vh_u *)p; }
 
+/* Rows that the next operation does not read, written around the caches: a normal store first
+ * reads the line it fills (read-for-ownership) and evicts a line the step still uses; a
+ * non-temporal store does neither. For output rows read back only sublayers later (phase-1 sites
+ * after the first, the merge's d_out1, which waits for the block read's backward). Needs 32-byte
+ * aligned rows (d a multiple of 8 and an aligned tensor, as torch allocates); else, and without
+ * AVX, plain stores. The thread ends its work with nt_fence (the stores are weakly ordered). */
+#ifdef __AVX__
+#include <immintrin.h>
+static inline int nt_row(const float *p, int64_t d) {
+    return ((uintptr_t)p & 31) == 0 && d % H == 0;
+}
+static inline void nt_store(float *p, vh x) { _mm256_stream_ps(p, (__m256)x); }
+static inline void nt_fence(void) { _mm_sfence(); }
+#else
+static inline int nt_row(const float *p, int64_t d) { (void)p; (void)d; return 0; }
+static inline void nt_store(float *p, vh x) { *(vh_u *)p = x; }
+static inline void nt_fence(void) {}
+#endif
+
 /* <a, b>: four independent W-lane float chains (the FMA latency hidden; each two half vectors),
  * added lane-wise, then the W lanes summed in a tree (halves added), plus the tail (n mod W)
  * in double. */
@@ -101,6 +120,7 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
               int64_t t0, int64_t t1) {
     float *l = malloc(sizeof(float) * S * C);
     const float **v = malloc(sizeof(float *) * S);
+    float *acc = C > 1 ? malloc(sizeof(float) * d) : NULL; /* a row on its way out (nt) */
     for (int64_t i = t0; i < t1; i++) {
         for (int64_t s = 0; s < S; s++) {
             key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps, l + s * C);
@@ -121,16 +141,21 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         if (i + 1 < t1)
             for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
         for (int64_t c = 0; c < C; c++) {
-            float *o = out + (c * n + i) * d;
-            float a = l[c];
+            float *dst = out + (c * n + i) * d;
+            int nt = c > 0 && nt_row(dst, d); /* site 0's row is read next: cached */
+            float *o = nt ? acc : dst, a = l[c];
             for (int64_t j = 0; j < d; j++) o[j] = a * v[0][j];
             for (int64_t s = 1; s < S; s++) {
                 const float *row = v[s];
                 a = l[s * C + c];
                 for (int64_t j = 0; j < d; j++) o[j] += a * row[j];
             }
+            if (nt)
+                for (int64_t j = 0; j < d; j += H) nt_store(dst + j, vl(acc + j));
         }
     }
+    nt_fence();
+    free(acc);
     free(v);
     free(l);
 }
@@ -345,17 +370,18 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
         d_lse1[i] = -dl;
         float *go = d_o1 + i * d, *gp = d_pv + i * d;
         int64_t head = sliced ? d - r : d; /* the partial's key columns: written with their terms */
-        for (int64_t j = 0; j < head; j++) {
-            go[j] = w1 * dh[j];
-            gp[j] = w2 * dh[j];
-        }
-        for (int64_t j = head; j < d; j++) go[j] = w1 * dh[j];
+        if (nt_row(go, d)) /* read by the block read's backward, sublayers later */
+            for (int64_t j = 0; j < d; j += H) nt_store(go + j, w1 * vl(dh + j));
+        else
+            for (int64_t j = 0; j < d; j++) go[j] = w1 * dh[j];
+        for (int64_t j = 0; j < head; j++) gp[j] = w2 * dh[j];
         float bq;
         keyterms kt = key_terms(k, rstd, &logit, &dl, q, 1, r, &bq, dq);
         const float *row = dh;
         if (sliced) mix_row(gp + head, r, 1, &row, head, &w2, &kt);
         else mix_row(d_pk + i * r, r, 1, NULL, 0, NULL, &kt);
     }
+    nt_fence();
     free(buf);
 }
 
