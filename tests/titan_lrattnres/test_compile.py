@@ -55,3 +55,39 @@ def test_24_layers_compile_without_breaks_or_recompiles(build, variant, blocks, 
     assert not counters["recompiles"], dict(counters["recompiles"])
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert len(grads) == len(list(model.parameters()))
+
+
+def _tangent_copies(model, tokens) -> int:
+    """aten::copy_ calls made by AOTAutograd to restride an incoming gradient, in one step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        model(tokens).float().logsumexp(-1).mean().backward()
+    copies = 0
+    for event in prof.events():
+        parent = event.cpu_parent
+        while event.name == "aten::copy_" and parent is not None:
+            if "coerce_to_expected_memory_format" in parent.name:
+                copies += 1
+                break
+            parent = parent.cpu_parent
+    return copies
+
+
+def test_projected_gradients_reach_compiled_backward_without_a_copy(build, monkeypatch):
+    """o_j is a strided slice of the [W^O; W^K] product; its gradient must enter the compiled
+    backward as it comes (the premise, asserted: with AOTAutograd's default, one copy each)."""
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    counts = []
+    for default in (True, False):
+        model = build("debug", variant="projected", blocks=None, rank=16, depth_backend="auto")
+        if default:  # the model sets the flag on build; put AOTAutograd's default back
+            monkeypatch.setattr(torch._functorch.config, "guess_tangent_strides_as_outputs", True)
+        cfg = CompileConfig(enable=True, backend="aot_eager")
+        apply_compile(model, compile_config=cfg, parallel_dims=_Dims)
+        model(tokens).float().logsumexp(-1).mean().backward()  # compile
+        counts.append(_tangent_copies(model, tokens))
+        torch._dynamo.reset()
+    assert counts[0] == len(model.layers), counts
+    assert counts[1] == 0, counts
