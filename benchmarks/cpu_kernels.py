@@ -3,6 +3,7 @@ revision's, side by side in one process.
 
     python -m benchmarks.cpu_kernels [--against REV] [--reps 40] [--json PATH]
     python -m benchmarks.cpu_kernels --model 24,1024,512 [--variants block8,...] [--steps 10]
+        [--ops]
 
 Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags). For each shape
 (the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
@@ -16,7 +17,9 @@ noise moves single calls by tens of percent; the alternation keeps it out of the
 ``--model LAYERS,DIM,SEQ`` times the project's own model instead (``benchmarks.overhead.build``:
 sublayers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
 steps alternating between the two libraries (the compiled sublayers are shared, only the depth
-read's C code differs), so the ratio is what the kernel change does to a training step.
+read's C code differs), so the ratio is what the kernel change does to a training step. With
+``--ops`` every step runs under ``torch.profiler`` and each depth op's self time in the step is
+reported too: a change of a few ms a step is lost in the step's noise, not in its ops' times.
 """
 
 from __future__ import annotations
@@ -118,14 +121,14 @@ def _rel_diff(a, b) -> float:
 
 
 def _alternate(libs: dict, reps: int, timed) -> tuple[float, float]:
-    """Medians of ``timed(lib)`` (seconds) for the two libraries, called ``reps`` times each in
-    alternating order (ABBA...), the library in use for the call."""
+    """Medians of ``timed(name)`` (seconds) for the two libraries, called ``reps`` times each in
+    alternating order (ABBA...), the library named ``name`` in use for the call."""
     times = {name: [] for name in libs}
     order = list(libs.items())
     for rep in range(reps):
         for name, lib in order if rep % 2 else order[::-1]:
             with _using(lib):
-                times[name].append(timed())
+                times[name].append(timed(name))
     return tuple(statistics.median(t) for t in times.values())
 
 
@@ -151,8 +154,8 @@ def compare(libs: dict, reps: int) -> list[dict]:
                 ref = fn()
             with _using(b_lib):
                 diff = _rel_diff(fn(), ref)
-            _alternate(libs, 2, lambda fn=fn: once(fn))  # warm-up
-            ta, tb = (t * 1e3 for t in _alternate(libs, reps, lambda fn=fn: once(fn)))
+            _alternate(libs, 2, lambda _lib, fn=fn: once(fn))  # warm-up
+            ta, tb = (t * 1e3 for t in _alternate(libs, reps, lambda _lib, fn=fn: once(fn)))
             rows.append(
                 {"shape": shape, "kernel": kernel, a_name: ta, b_name: tb, "ratio": tb / ta,
                  "rel_diff": diff}
@@ -165,9 +168,39 @@ def compare(libs: dict, reps: int) -> list[dict]:
     return rows
 
 
-def compare_model(libs: dict, shape, variants, steps: int, compile_: bool = True) -> list[dict]:
+def _depth_op_ms(prof) -> dict[str, float]:
+    """Self CPU time (ms) of each depth-read op in a profiled step: the ops' autograd twins,
+    forward and backward (names with ``merge_partial`` or ``block_read``)."""
+    return {
+        e.key: e.self_cpu_time_total / 1e3
+        for e in prof.key_averages()
+        if ("merge_partial" in e.key or "block_read" in e.key) and "evaluate_function" not in e.key
+    }
+
+
+def _profiled(step, ops: dict) -> float:
+    """One step under ``torch.profiler`` (CPU): its time (s); each depth op's self ms appended
+    to ``ops[op]``, their sum to ``ops["depth ops"]``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - t0
+    found = _depth_op_ms(prof)
+    for name, ms in found.items():
+        ops.setdefault(name, []).append(ms)
+    ops.setdefault("depth ops", []).append(sum(found.values()))
+    return elapsed
+
+
+def compare_model(
+    libs: dict, shape, variants, steps: int, compile_: bool = True, ops: bool = False
+) -> list[dict]:
     """Rows of ``{variant, <lib> s..., ratio, loss_rel_diff}`` for whole training steps
-    (``compile_=False``: eager sublayers, for tests)."""
+    (``compile_=False``: eager sublayers, for tests). ``ops``: every step profiled, and the rows
+    add ``ops: {op: {<lib>: median self ms}}`` for the depth ops, in place in the step (their
+    data as the step leaves it in the caches, which a kernel call alone does not reproduce)."""
     from benchmarks.overhead import Step, _timed, build
 
     a_name, b_name = libs
@@ -183,15 +216,33 @@ def compare_model(libs: dict, shape, variants, steps: int, compile_: bool = True
             with _using(lib):
                 step()
                 loss[lib_name] = step().item()
-        ta, tb = _alternate(libs, steps, lambda step=step: _timed(step, "cpu"))
+        per_op = {lib_name: {} for lib_name in libs}
+        if ops:
+
+            def timed(lib, step=step, per_op=per_op):
+                return _profiled(step, per_op[lib])
+        else:
+
+            def timed(_lib, step=step):
+                return _timed(step, "cpu")
+
+        ta, tb = _alternate(libs, steps, timed)
         diff = abs(loss[b_name] - loss[a_name]) / abs(loss[a_name])
-        rows.append({"variant": name, a_name: ta, b_name: tb, "ratio": tb / ta,
-                     "loss_rel_diff": diff})  # fmt: skip
+        row = {"variant": name, a_name: ta, b_name: tb, "ratio": tb / ta, "loss_rel_diff": diff}
         print(
             f"  {name:15s} step {ta:6.3f} -> {tb:6.3f} s ({tb / ta:.3f}x, losses differ by "
             f"{diff:.1e})",
             flush=True,
         )
+        if ops:
+            row["ops"] = {
+                op: {n: statistics.median(per_op[n].get(op, [0.0])) for n in libs}
+                for op in per_op[a_name]
+            }
+            for op, ms in row["ops"].items():
+                ratio = ms[b_name] / ms[a_name] if ms[a_name] else float("nan")
+                print(f"    {op:38s} {ms[a_name]:7.2f} -> {ms[b_name]:7.2f} ms ({ratio:.3f}x)")
+        rows.append(row)
     return rows
 
 
@@ -203,9 +254,14 @@ def main(argv=None) -> int:
     p.add_argument("--model", default=None, metavar="L,D,T", help="time the model's steps")
     p.add_argument("--variants", default="block8,sliced8_r64,projected8_r32")
     p.add_argument("--steps", type=int, default=10, help="steps of each library per variant")
+    p.add_argument(
+        "--ops", action="store_true", help="with --model: each depth op's self time in the step"
+    )
     a = p.parse_args(argv)
     if a.reps < 1 or a.steps < 1:
         p.error("--reps and --steps must be >= 1")
+    if a.ops and a.model is None:
+        p.error("--ops times the model's depth ops: give --model LAYERS,DIM,SEQ")
     shape = None
     if a.model is not None:
         from benchmarks.overhead import Shape, parse_variant
@@ -232,7 +288,7 @@ def main(argv=None) -> int:
     keep_freed_memory()  # what the CPU trainer runs with (no page faults on fresh outputs)
     if shape is not None:
         print(f"cpu_kernels: {a.against} -> working tree, {shape}, {a.steps} steps each")
-        rows = compare_model(libs, shape, a.variants.split(","), a.steps)
+        rows = compare_model(libs, shape, a.variants.split(","), a.steps, ops=a.ops)
     else:
         print(
             f"cpu_kernels: {a.against} -> working tree, {a.reps} alternating calls each, "
@@ -242,7 +298,7 @@ def main(argv=None) -> int:
     if a.json:
         meta = {"against": a.against, "reps": a.reps, "threads": torch.get_num_threads(),
                 "torch": torch.__version__, "shapes": SHAPES, "model": a.model,
-                "variants": a.variants, "steps": a.steps}  # fmt: skip
+                "variants": a.variants, "steps": a.steps, "ops": a.ops}  # fmt: skip
         with open(a.json, "w") as f:
             json.dump({"config": meta, "rows": rows}, f, indent=1)
         print(f"wrote {a.json}")

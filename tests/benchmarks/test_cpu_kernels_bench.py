@@ -34,7 +34,25 @@ def test_model_steps_alternate_between_the_libraries():
     assert cpu.library() is lib
 
 
-@pytest.mark.parametrize("bad", [["--model", "24,1024"], ["--model", "2,64,32", "--variants", "x"]])
+def test_model_steps_report_each_depth_op_in_place():
+    from benchmarks.overhead import Shape
+
+    lib = cpu.library()
+    shape = Shape(layers=2, dim=64, seq=32, heads=2, vocab=256)
+    (row,) = cpu_kernels.compare_model(
+        {"a": lib, "b": lib}, shape, ["sliced2_r16"], 2, False, ops=True
+    )
+    ops = row["ops"]
+    # 4 sublayers, 2 blocks: phase-1 reads and merges, forward and backward
+    assert {"block_read_sliced_split_eager", "merge_partial_eager"} <= set(ops)
+    assert {"block_read_sliced_split_eagerBackward", "merge_partial_eagerBackward"} <= set(ops)
+    for name, ms in ops.items():
+        assert ms["a"] > 0 and ms["b"] > 0, name
+
+
+@pytest.mark.parametrize(
+    "bad", [["--model", "24,1024"], ["--model", "2,64,32", "--variants", "x"], ["--ops"]]
+)
 def test_bad_model_arguments_are_refused(bad):
     with pytest.raises(SystemExit) as e:
         cpu_kernels.main(bad)
