@@ -65,12 +65,12 @@ def _tangent_copies(model, tokens) -> int:
         model(tokens).float().logsumexp(-1).mean().backward()
     copies = 0
     for event in prof.events():
+        if event.name != "aten::copy_":
+            continue
         parent = event.cpu_parent
-        while event.name == "aten::copy_" and parent is not None:
-            if "coerce_to_expected_memory_format" in parent.name:
-                copies += 1
-                break
+        while parent is not None and "coerce_to_expected_memory_format" not in parent.name:
             parent = parent.cpu_parent
+        copies += parent is not None
     return copies
 
 
