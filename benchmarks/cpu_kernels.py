@@ -47,6 +47,7 @@ SHAPES = {
     "L24 standard": ("standard", 9, 6, 512, 1024, 1024),
     "L24 standard peaked": ("standard", 9, 6, 512, 1024, 1024, 32.0),
     "L24 sliced S=4": ("sliced", 4, 6, 512, 1024, 64),
+    "L24 Full sliced S=49": ("sliced", 49, 1, 512, 1024, 64),  # Full's widest: one site, 2L + 1
     "L12 sliced": ("sliced", 9, 3, 1024, 512, 64),
     "cpu_small sliced": ("sliced", 3, 2, 2048, 128, 32),  # make train's model, its widest read
     "cpu_small projected": ("projected", 3, 2, 2048, 128, 32),

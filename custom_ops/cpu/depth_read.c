@@ -8,10 +8,12 @@
  * stride and their own row strides (elements); sliced keys are the last r columns of the value.
  * Outputs and gradients are contiguous. Small per-token reductions accumulate in double, the
  * d-length products in float on independent 16-lane chains (vectorised, tree-like rounding).
- * Rows are processed one at a time: a token's S source rows and C output rows start at the same
- * offset within a 4 KB page whenever their tensors are page-aligned (every row at d=1024 fp32),
- * so a loop over column chunks of all of them at once competes for the same L1 sets (measured
- * 3.7x slower for the forward).
+ * Output rows are built one at a time, each summed over its input rows column chunk by column
+ * chunk in registers and stored once (mix_row): a token's S source rows and C output rows start
+ * at the same offset within a 4 KB page whenever their tensors are page-aligned (every row at
+ * d=1024 fp32), so a loop over column chunks of all C outputs at once competes for the same L1
+ * sets (measured 3.7x slower for the forward). The forward's rows summed in place instead (o =
+ * a_0 v_0, then += a_s v_s: o read and written S times) measured 1.15-1.7x its time.
  */
 #include <float.h>
 #include <math.h>
@@ -112,54 +114,6 @@ static const float *key_row(const float *const *vp, const int64_t *vs, const flo
     return sliced ? vp[s] + i * vs[s] + (d - r) : kp[s] + i * ks[s];
 }
 
-/* out [C, n, d], lse [C, n]; work: S*C floats. Each output row is built in place, o = a_0 v_0,
- * then += a_s v_s (it stays in L1; the S source rows in L2 across the C queries). */
-static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
-              const float *const *vp, const int64_t *vs, const float *const *kp,
-              const int64_t *ks, const float *q, double eps, float *out, float *lse,
-              int64_t t0, int64_t t1) {
-    float *l = malloc(sizeof(float) * S * C);
-    const float **v = malloc(sizeof(float *) * S);
-    float *acc = C > 1 ? malloc(sizeof(float) * d) : NULL; /* a row on its way out (nt) */
-    for (int64_t i = t0; i < t1; i++) {
-        for (int64_t s = 0; s < S; s++) {
-            key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps, l + s * C);
-            v[s] = vp[s] + i * vs[s];
-        }
-        for (int64_t c = 0; c < C; c++) {
-            float m = -INFINITY;
-            for (int64_t s = 0; s < S; s++) m = fmaxf(m, l[s * C + c]);
-            double z = 0;
-            for (int64_t s = 0; s < S; s++) {
-                l[s * C + c] = expf(l[s * C + c] - m);
-                z += l[s * C + c];
-            }
-            lse[c * n + i] = m + (float)log(z);
-            float inv_z = (float)(1.0 / z);
-            for (int64_t s = 0; s < S; s++) l[s * C + c] = flush(l[s * C + c] * inv_z);
-        }
-        if (i + 1 < t1)
-            for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
-        for (int64_t c = 0; c < C; c++) {
-            float *dst = out + (c * n + i) * d;
-            int nt = c > 0 && nt_row(dst, d); /* site 0's row is read next: cached */
-            float *o = nt ? acc : dst, a = l[c];
-            for (int64_t j = 0; j < d; j++) o[j] = a * v[0][j];
-            for (int64_t s = 1; s < S; s++) {
-                const float *row = v[s];
-                a = l[s * C + c];
-                for (int64_t j = 0; j < d; j++) o[j] += a * row[j];
-            }
-            if (nt)
-                for (int64_t j = 0; j < d; j += H) nt_store(dst + j, vl(acc + j));
-        }
-    }
-    nt_fence();
-    free(acc);
-    free(v);
-    free(l);
-}
-
 /* The key terms of a row's gradient: those of sum_c dl[c] l[c] (l[c] = rstd <q_c, k>, the
  * RMSNorm backward): dk = sum_c b[c] q_c - coef k with b[c] = dl[c] rstd, coef = rstd^2
  * sum_c dl[c] l[c] / r; and dq_c += b[c] k (dq [C, r]). */
@@ -183,10 +137,11 @@ static keyterms key_terms(const float *k, float rstd, const float *l, const floa
 static inline void vs_(float *p, vh x) { *(vh_u *)p = x; }
 
 /* Columns [j, j + u H) of mix_row, u <= 2 U (inlined with u = 2 U, U and 1):
- * acc = sum_c a[c] x[c] - coef k + sum_c b[c] q_c, dq_c += b[c] k, each column stored once. */
+ * acc = sum_c a[c] x[c] - coef k + sum_c b[c] q_c, dq_c += b[c] k, each column stored once
+ * (non-temporal when nt). */
 static inline __attribute__((always_inline)) void mix_cols(
     float *restrict out, int64_t j, int u, int64_t C, const float *const *x, int64_t xo,
-    const float *a, const keyterms *kt) {
+    const float *a, const keyterms *kt, int nt) {
     vh acc[2 * U];
     for (int v = 0; v < u; v++) acc[v] = (vh){0};
     for (int64_t c = 0; x && c < C; c++)
@@ -204,22 +159,26 @@ static inline __attribute__((always_inline)) void mix_cols(
             }
         }
     }
-    for (int v = 0; v < u; v++) vs_(out + j + v * H, acc[v]);
+    for (int v = 0; v < u; v++) {
+        if (nt) nt_store(out + j + v * H, acc[v]);
+        else vs_(out + j + v * H, acc[v]);
+    }
 }
 
-/* One gradient row [0, n), written once: out = sum_c a[c] x[c][xo:] (left to right; x or an
- * x[c] NULL: zero), plus the key terms kt (NULL: none) over the same columns. Steps of 2 U vectors
+/* One output or gradient row [0, n), written once: out = sum_c a[c] x[c][xo:] (left to right;
+ * x or an x[c] NULL: zero), plus the key terms kt (NULL: none) over the same columns; nt: with
+ * non-temporal stores (only on nt_row's rows: no column tail). Steps of 2 U vectors
  * on rows of 512 columns or more (standard AttnRes's key terms at d = 1024: read backward 0.92x;
  * at d = 128 they measured up to 1.1x slower), then U, then single vectors and columns. Inlined:
  * as a call per row, the d = 128 read backward measured 1.09x. */
 static inline __attribute__((always_inline)) void mix_row(
     float *out, int64_t n, int64_t C, const float *const *x, int64_t xo, const float *a,
-    const keyterms *kt) {
+    const keyterms *kt, int nt) {
     int64_t j = 0;
     if (n >= 512)
-        for (; j + 2 * U * H <= n; j += 2 * U * H) mix_cols(out, j, 2 * U, C, x, xo, a, kt);
-    for (; j + U * H <= n; j += U * H) mix_cols(out, j, U, C, x, xo, a, kt);
-    for (; j + H <= n; j += H) mix_cols(out, j, 1, C, x, xo, a, kt);
+        for (; j + 2 * U * H <= n; j += 2 * U * H) mix_cols(out, j, 2 * U, C, x, xo, a, kt, nt);
+    for (; j + U * H <= n; j += U * H) mix_cols(out, j, U, C, x, xo, a, kt, nt);
+    for (; j + H <= n; j += H) mix_cols(out, j, 1, C, x, xo, a, kt, nt);
     for (; j < n; j++) { /* the last n mod H columns */
         float acc = 0.0f;
         for (int64_t c = 0; x && c < C; c++)
@@ -240,9 +199,51 @@ static inline __attribute__((always_inline)) void mix_row(
 static void source_grad(const float *const *dh, int64_t C, const float *a, int64_t d,
                         int sliced, const keyterms *kt, float *g, float *gk) {
     int64_t head = sliced ? d - kt->r : d;
-    mix_row(g, head, C, dh, 0, a, NULL);
-    if (sliced) mix_row(g + head, kt->r, C, dh, head, a, kt);
-    else mix_row(gk, kt->r, C, NULL, 0, NULL, kt);
+    mix_row(g, head, C, dh, 0, a, NULL, 0);
+    if (sliced) mix_row(g + head, kt->r, C, dh, head, a, kt, 0);
+    else mix_row(gk, kt->r, C, NULL, 0, NULL, kt, 0);
+}
+
+/* out [C, n, d], lse [C, n]; work: S*C + S floats. Each output row is summed over the S source
+ * rows column chunk by column chunk in registers and stored once (mix_row; the S rows stay in
+ * L1 / L2 across the C queries). */
+static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
+              const float *const *vp, const int64_t *vs, const float *const *kp,
+              const int64_t *ks, const float *q, double eps, float *out, float *lse,
+              int64_t t0, int64_t t1) {
+    float *l = malloc(sizeof(float) * S * C);
+    const float **v = malloc(sizeof(float *) * S);
+    float *w = malloc(sizeof(float) * S); /* one site's weights */
+    for (int64_t i = t0; i < t1; i++) {
+        for (int64_t s = 0; s < S; s++) {
+            key_logits(key_row(vp, vs, kp, ks, sliced, s, i, d, r), q, C, r, eps, l + s * C);
+            v[s] = vp[s] + i * vs[s];
+        }
+        for (int64_t c = 0; c < C; c++) {
+            float m = -INFINITY;
+            for (int64_t s = 0; s < S; s++) m = fmaxf(m, l[s * C + c]);
+            double z = 0;
+            for (int64_t s = 0; s < S; s++) {
+                l[s * C + c] = expf(l[s * C + c] - m);
+                z += l[s * C + c];
+            }
+            lse[c * n + i] = m + (float)log(z);
+            float inv_z = (float)(1.0 / z);
+            for (int64_t s = 0; s < S; s++) l[s * C + c] = flush(l[s * C + c] * inv_z);
+        }
+        if (i + 1 < t1)
+            for (int64_t s = 0; s < S; s++) prefetch_row(vp[s] + (i + 1) * vs[s], d);
+        for (int64_t c = 0; c < C; c++) {
+            float *dst = out + (c * n + i) * d;
+            for (int64_t s = 0; s < S; s++) w[s] = l[s * C + c];
+            /* site 0's row is read next: cached; the others around the caches */
+            mix_row(dst, d, S, v, 0, w, NULL, c > 0 && nt_row(dst, d));
+        }
+    }
+    nt_fence();
+    free(w);
+    free(v);
+    free(l);
 }
 
 /* Backward of read_fwd. dout: C contiguous [n, d] gradients, one per query (the table or any
@@ -378,8 +379,8 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
         float bq;
         keyterms kt = key_terms(k, rstd, &logit, &dl, q, 1, r, &bq, dq);
         const float *row = dh;
-        if (sliced) mix_row(gp + head, r, 1, &row, head, &w2, &kt);
-        else mix_row(d_pk + i * r, r, 1, NULL, 0, NULL, &kt);
+        if (sliced) mix_row(gp + head, r, 1, &row, head, &w2, &kt, 0);
+        else mix_row(d_pk + i * r, r, 1, NULL, 0, NULL, &kt, 0);
     }
     nt_fence();
     free(buf);
