@@ -194,12 +194,90 @@ static inline __attribute__((always_inline)) void mix_row(
     }
 }
 
-/* Gradient row of one source v [d] (key: its last r columns if sliced, else its own row gk):
- * the value part sum_c a[c] dh[c] and the key terms, each column written once. */
-static void source_grad(const float *const *dh, int64_t C, const float *a, int64_t d,
-                        int sliced, const keyterms *kt, float *g, float *gk) {
+#define FUSED 8 /* most gradient rows dots_mix takes in one pass */
+
+/* dots_mix with m rows x[0..m) (weights w), m a constant once inlined: the accumulators stay in
+ * registers (2 m + 2 vectors). */
+static inline __attribute__((always_inline)) void dots_mix_m(
+    const float *v, const float *const *x, const float *w, int m, int64_t d, int64_t head,
+    float *da, float *g) {
+    vh acc[FUSED][2];
+    for (int u = 0; u < m; u++) acc[u][0] = acc[u][1] = (vh){0};
+    int64_t j = 0;
+    for (; j + W <= head; j += W) {
+        vh v0 = vl(v + j), v1 = vl(v + j + H), g0 = {0}, g1 = {0};
+        for (int u = 0; u < m; u++) {
+            vh x0 = vl(x[u] + j), x1 = vl(x[u] + j + H);
+            acc[u][0] += v0 * x0;
+            acc[u][1] += v1 * x1;
+            g0 += w[u] * x0;
+            g1 += w[u] * x1;
+        }
+        vs_(g + j, g0);
+        vs_(g + j + H, g1);
+    }
+    for (int64_t k = j; k < head; k++) { /* the head's last head mod W columns */
+        float t = 0.0f;
+        for (int u = 0; u < m; u++) t += w[u] * x[u][k];
+        g[k] = t;
+    }
+    for (; j + W <= d; j += W) { /* past the head: the dots alone */
+        vh v0 = vl(v + j), v1 = vl(v + j + H);
+        for (int u = 0; u < m; u++) {
+            acc[u][0] += v0 * vl(x[u] + j);
+            acc[u][1] += v1 * vl(x[u] + j + H);
+        }
+    }
+    for (int u = 0; u < m; u++) {
+        double tail = 0;
+        for (int64_t k = j; k < d; k++) tail += (double)v[k] * x[u][k];
+        vh s = acc[u][0] + acc[u][1];
+        float t[H];
+        memcpy(t, &s, sizeof t);
+        for (int h = H / 2; h > 0; h /= 2)
+            for (int l = 0; l < h; l++) t[l] += t[l + h];
+        da[u] = (float)(tail + t[0]);
+    }
+}
+
+/* One pass over a source row v [d] and the C gradient rows dh (NULL: zero) that its token's
+ * sites receive: da[c] = <dh_c, v> and g[0, head) = sum_c a[c] dh_c (left to right), the part
+ * of v's gradient that needs no da. Each dh row is read once for both, where separate dots and
+ * mix_row read it twice (C <= FUSED; more rows: the two passes). Per dot two H-lane chains,
+ * their lanes summed in a tree, the tail (d mod W) in double. */
+static void dots_mix(const float *v, const float *const *dh, int64_t C, const float *a,
+                     int64_t d, int64_t head, float *da, float *g) {
+    if (C > FUSED) {
+        for (int64_t c = 0; c < C; c++) da[c] = dh[c] ? dot(dh[c], v, d) : 0.0f;
+        mix_row(g, head, C, dh, 0, a, NULL, 0);
+        return;
+    }
+    const float *x[FUSED];
+    float w[FUSED], got[FUSED];
+    int m = 0, at[FUSED];
+    for (int64_t c = 0; c < C; c++) {
+        da[c] = 0.0f;
+        if (dh[c]) x[m] = dh[c], w[m] = a[c], at[m++] = (int)c;
+    }
+    switch (m) { /* each case its own unrolled copy */
+    case 0: memset(g, 0, sizeof(float) * head); break;
+    case 1: dots_mix_m(v, x, w, 1, d, head, got, g); break;
+    case 2: dots_mix_m(v, x, w, 2, d, head, got, g); break;
+    case 3: dots_mix_m(v, x, w, 3, d, head, got, g); break;
+    case 4: dots_mix_m(v, x, w, 4, d, head, got, g); break;
+    case 5: dots_mix_m(v, x, w, 5, d, head, got, g); break;
+    case 6: dots_mix_m(v, x, w, 6, d, head, got, g); break;
+    case 7: dots_mix_m(v, x, w, 7, d, head, got, g); break;
+    default: dots_mix_m(v, x, w, 8, d, head, got, g); break;
+    }
+    for (int u = 0; u < m; u++) da[at[u]] = got[u];
+}
+
+/* The key part of a source's gradient row (its last r columns if sliced, else its own row gk),
+ * each column written once; the value part before them came from dots_mix. */
+static void key_grad(const float *const *dh, int64_t C, const float *a, int64_t d, int sliced,
+                     const keyterms *kt, float *g, float *gk) {
     int64_t head = sliced ? d - kt->r : d;
-    mix_row(g, head, C, dh, 0, a, NULL, 0);
     if (sliced) mix_row(g + head, kt->r, C, dh, head, a, kt, 0);
     else mix_row(gk, kt->r, C, NULL, 0, NULL, kt, 0);
 }
@@ -277,9 +355,9 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
             for (int64_t c = 0; c < C; c++)
                 if (dh[c]) prefetch_row(dh[c] + d, d);
         }
+        int64_t head = sliced ? d - r : d; /* a source's columns that are not its key */
         for (int64_t s = 0; s < S; s++) /* dl holds da = <dh_c, v_s> until rescaled below */
-            for (int64_t c = 0; c < C; c++)
-                dl[s * C + c] = dh[c] ? dot(dh[c], vp[s] + i * vs[s], d) : 0.0f;
+            dots_mix(vp[s] + i * vs[s], dh, C, a + s * C, d, head, dl + s * C, gv[s] + i * d);
         for (int64_t c = 0; c < C; c++) {
             double big_d = 0;
             for (int64_t s = 0; s < S; s++) big_d += (double)a[s * C + c] * dl[s * C + c];
@@ -290,8 +368,8 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         for (int64_t s = 0; s < S; s++) {
             const float *k = key_row(vp, vs, kp, ks, sliced, s, i, d, r);
             keyterms kt = key_terms(k, rstd[s], l + s * C, dl + s * C, q, C, r, b, dq);
-            source_grad(dh, C, a + s * C, d, sliced, &kt, gv[s] + i * d,
-                        sliced ? NULL : gk[s] + i * r);
+            key_grad(dh, C, a + s * C, d, sliced, &kt, gv[s] + i * d,
+                     sliced ? NULL : gk[s] + i * r);
         }
     }
     free(dh);
