@@ -117,6 +117,30 @@ def test_per_query_gradients_are_the_stacked_one():
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("n_queries", [8, 9, 12])
+@pytest.mark.parametrize("sliced", [True, False])
+def test_read_backward_past_its_one_pass_rows(n_queries, sliced):
+    """The read backward takes up to 8 sites' gradient rows in one pass over them (the dots and
+    the value gradient together) and more in two: both agree with the composite, absent (None)
+    gradients among them; odd d and r so that every column tail runs."""
+    case = ReadCase((2, 37), 43, 11, 4, sliced, torch.float32, seed=3)
+    values, keys, queries = _detached(case, n_queries)
+    lse = cpu.read_fwd(values, keys, queries, 1e-6)[1]
+    g = torch.Generator().manual_seed(6)
+    dout = torch.randn((n_queries, 2, 37, 43), generator=g)
+    dout[0] = dout[-2] = 0
+    rows = [None if c in (0, n_queries - 2) else dout[c] for c in range(n_queries)]
+    dlse = torch.randn(lse.shape, generator=g)
+    a = cpu.read_bwd(values, keys, queries, lse, rows, dlse, 1e-6)
+    b = composite.read_bwd(values, keys, queries, lse, dout, dlse, 1e-6)
+    for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
+        assert_close(f"grad value {i}", x, y, torch.float32)
+    for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
+        cond = rank_one_cancellation(keys[i], 1e-6)
+        assert_close(f"grad key {i}", x, y, torch.float32, conditioning=cond)
+    assert_close("grad queries", a[2], b[2], torch.float32)
+
+
 def test_subnormal_weights_carry_nothing():
     """A source whose logit trails by 95 (weight e^-95 ~ 5e-42, below 2^-126) adds nothing: out,
     its value gradient and the merge's share of it are exactly 0 where the lead source is 0 (the
