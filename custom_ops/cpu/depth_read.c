@@ -52,6 +52,15 @@ static inline void nt_store(float *p, vh x) { *(vh_u *)p = x; }
 static inline void nt_fence(void) {}
 #endif
 
+/* tail + the H lanes of x summed in a tree (halves added): the end of every dot product. */
+static inline float lanes_plus(vh x, double tail) {
+    float t[H];
+    memcpy(t, &x, sizeof t);
+    for (int h = H / 2; h > 0; h /= 2)
+        for (int l = 0; l < h; l++) t[l] += t[l + h];
+    return (float)(tail + t[0]);
+}
+
 /* <a, b>: four independent W-lane float chains (the FMA latency hidden; each two half vectors),
  * added lane-wise, then the W lanes summed in a tree (halves added), plus the tail (n mod W)
  * in double. */
@@ -67,11 +76,7 @@ static float dot(const float *a, const float *b, int64_t n) {
     double s = 0;
     for (; j < n; j++) s += (double)a[j] * b[j];
     vh x = ((acc[0] + acc[2]) + (acc[4] + acc[6])) + ((acc[1] + acc[3]) + (acc[5] + acc[7]));
-    float t[H];
-    memcpy(t, &x, sizeof t);
-    for (int h = H / 2; h > 0; h /= 2)
-        for (int l = 0; l < h; l++) t[l] += t[l + h];
-    return (float)(s + t[0]);
+    return lanes_plus(x, s);
 }
 
 /* sum_j k[j]^2 in double (no overflow or underflow for any fp32 k), in 8 double lanes. */
@@ -231,12 +236,7 @@ static inline __attribute__((always_inline)) void dots_mix_m(
     for (int u = 0; u < m; u++) {
         double tail = 0;
         for (int64_t k = j; k < d; k++) tail += (double)v[k] * x[u][k];
-        vh s = acc[u][0] + acc[u][1];
-        float t[H];
-        memcpy(t, &s, sizeof t);
-        for (int h = H / 2; h > 0; h /= 2)
-            for (int l = 0; l < h; l++) t[l] += t[l + h];
-        da[u] = (float)(tail + t[0]);
+        da[u] = lanes_plus(acc[u][0] + acc[u][1], tail);
     }
 }
 
@@ -273,11 +273,10 @@ static void dots_mix(const float *v, const float *const *dh, int64_t C, const fl
     for (int u = 0; u < m; u++) da[at[u]] = got[u];
 }
 
-/* The key part of a source's gradient row (its last r columns if sliced, else its own row gk),
- * each column written once; the value part before them came from dots_mix. */
-static void key_grad(const float *const *dh, int64_t C, const float *a, int64_t d, int sliced,
+/* The key part of a source's gradient row (its columns from head on if sliced, else its own row
+ * gk), each column written once; the value part before them came from dots_mix. */
+static void key_grad(const float *const *dh, int64_t C, const float *a, int64_t head, int sliced,
                      const keyterms *kt, float *g, float *gk) {
-    int64_t head = sliced ? d - kt->r : d;
     if (sliced) mix_row(g + head, kt->r, C, dh, head, a, kt, 0);
     else mix_row(gk, kt->r, C, NULL, 0, NULL, kt, 0);
 }
@@ -368,7 +367,7 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         for (int64_t s = 0; s < S; s++) {
             const float *k = key_row(vp, vs, kp, ks, sliced, s, i, d, r);
             keyterms kt = key_terms(k, rstd[s], l + s * C, dl + s * C, q, C, r, b, dq);
-            key_grad(dh, C, a + s * C, d, sliced, &kt, gv[s] + i * d,
+            key_grad(dh, C, a + s * C, head, sliced, &kt, gv[s] + i * d,
                      sliced ? NULL : gk[s] + i * r);
         }
     }
