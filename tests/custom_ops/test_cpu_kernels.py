@@ -59,6 +59,16 @@ def _detached(case: ReadCase, n_queries: int):
     )
 
 
+def _assert_read_grads_close(a, b, keys):
+    """Two ``read_bwd`` results ``(grad values, grad keys or None, grad queries)`` agree."""
+    for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
+        assert_close(f"grad value {i}", x, y, torch.float32)
+    for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
+        cond = rank_one_cancellation(keys[i], 1e-6)
+        assert_close(f"grad key {i}", x, y, torch.float32, conditioning=cond)
+    assert_close("grad queries", a[2], b[2], torch.float32)
+
+
 @settings(deadline=None, max_examples=20)
 @given(read_cases(max_sources=10, max_tokens=300), st.integers(1, 5), st.booleans())
 def test_read_matches_composite(case, n_queries, with_lse_grad):
@@ -75,12 +85,7 @@ def test_read_matches_composite(case, n_queries, with_lse_grad):
     dlse = torch.randn(got[1].shape, generator=g) if with_lse_grad else None
     a = cpu.read_bwd(values, keys, queries, want[1], dout, dlse, 1e-6)
     b = composite.read_bwd(values, keys, queries, want[1], dout, dlse, 1e-6)
-    for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
-        assert_close(f"grad value {i}", x, y, torch.float32)
-    for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
-        cond = rank_one_cancellation(keys[i], 1e-6)
-        assert_close(f"grad key {i}", x, y, torch.float32, conditioning=cond)
-    assert_close("grad queries", a[2], b[2], torch.float32)
+    _assert_read_grads_close(a, b, keys)
 
 
 @pytest.mark.parametrize("enabled", [True, False], ids=["fused", "composite"])
@@ -133,12 +138,7 @@ def test_read_backward_past_its_one_pass_rows(n_queries, sliced):
     dlse = torch.randn(lse.shape, generator=g)
     a = cpu.read_bwd(values, keys, queries, lse, rows, dlse, 1e-6)
     b = composite.read_bwd(values, keys, queries, lse, dout, dlse, 1e-6)
-    for i, (x, y) in enumerate(zip(a[0], b[0], strict=True)):
-        assert_close(f"grad value {i}", x, y, torch.float32)
-    for i, (x, y) in enumerate(zip(a[1] or [], b[1] or [], strict=True)):
-        cond = rank_one_cancellation(keys[i], 1e-6)
-        assert_close(f"grad key {i}", x, y, torch.float32, conditioning=cond)
-    assert_close("grad queries", a[2], b[2], torch.float32)
+    _assert_read_grads_close(a, b, keys)
 
 
 def test_subnormal_weights_carry_nothing():
