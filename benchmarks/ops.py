@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 
@@ -24,6 +25,16 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relati
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def cpu_name() -> str:
+    """The processor's model name (the JSON says which machine a figure is from)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        return f"{names[0]}, {len(names)} CPUs" if names else platform.processor()
+    except OSError:
+        return platform.processor()
 
 
 def timeit(fn, device, repeat: int, warmup: int = 2) -> float:
@@ -196,6 +207,7 @@ def main(argv=None):
         shapes = [(2048, 1024, 64, s, sl) for s in (5, 9) for sl in (True, False)]
     dtype = torch.bfloat16 if cuda else torch.float32
     result = run(args.device, shapes, dtype, repeat)
+    result["cpu"] = cpu_name()
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

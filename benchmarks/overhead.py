@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.ops import _sync
+from benchmarks.ops import _sync, cpu_name
 
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
@@ -417,7 +417,7 @@ def main(argv=None) -> int:
     print(table(result))
     if a.json:
         meta = dict(vars(a), hidden=shape.hidden_dim, torch=torch.__version__,
-                    threads=torch.get_num_threads(), machine=platform.machine(),
+                    threads=torch.get_num_threads(), machine=platform.machine(), cpu=cpu_name(),
                     freed_memory_kept=kept)  # fmt: skip
         with open(a.json, "w") as f:
             json.dump({"config": meta, "result": result}, f, indent=1)
