@@ -32,6 +32,10 @@ def build_summary(trainer) -> dict:
     hist, val = trainer.history, trainer.val_history
     wall = time.perf_counter() - trainer._t0
     train_wall = (time.perf_counter() - trainer._train_t0) if trainer._train_t0 else None
+    # Training throughput spans the logged steps only: from the first step's log (its compile
+    # excluded) to the last one's, so the final save and validation (whose eval-mode compile
+    # differs by variant) stay out of it; the _wall figure keeps them in.
+    steps_wall = hist[-1]["time_s"] - hist[0]["time_s"] if len(hist) > 1 else None
     tokens = hist[-1]["tokens"] if hist else trainer.ntokens_seen
     first_tokens = hist[0]["tokens"] if hist else 0
     tail = [h["loss"] for h in hist[-10:]]
@@ -54,7 +58,8 @@ def build_summary(trainer) -> dict:
         "final_val_loss": val[-1]["loss"] if val else None,
         "val_history": val,
         **_corpus_stats(cfg.dataloader.dataset),
-        "tokens_per_s": (tokens - first_tokens) / train_wall if train_wall else None,
+        "tokens_per_s": (tokens - first_tokens) / steps_wall if steps_wall else None,
+        "tokens_per_s_wall": (tokens - first_tokens) / train_wall if train_wall else None,
         "wall_time_s": wall,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "compile": cfg.compile.enable,
