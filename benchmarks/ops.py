@@ -18,6 +18,7 @@ import time
 import torch
 
 import custom_ops
+from custom_ops.cpu import cpu_info
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative RMS
 
@@ -29,12 +30,12 @@ def _sync(device):
 
 def cpu_name() -> str:
     """The processor's model name (the JSON says which machine a figure is from)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        return f"{names[0]}, {len(names)} CPUs" if names else platform.processor()
-    except OSError:
-        return platform.processor()
+    info = cpu_info()
+    return (
+        f"{info['model name']}, {info['cpus']} CPUs"
+        if "model name" in info
+        else platform.processor()
+    )
 
 
 def timeit(fn, device, repeat: int, warmup: int = 2) -> float:

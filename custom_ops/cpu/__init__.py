@@ -52,13 +52,25 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("LRATTNRES_CPU_CACHE", default))
 
 
-def _cpu_identity() -> str:
+def cpu_info() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo ("model name", "flags", ...) and "cpus",
+    the number of processors; empty where there is no /proc/cpuinfo."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
-        return "".join(lines)
+            lines = f.read().splitlines()
     except OSError:
-        return platform.processor()
+        return {}
+    info: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    info["cpus"] = str(sum(line.startswith("processor") for line in lines))
+    return info
+
+
+def _cpu_identity() -> str:
+    info = cpu_info()
+    return f"{info.get('model name', '')} {info.get('flags', '')}" if info else platform.processor()
 
 
 @functools.cache

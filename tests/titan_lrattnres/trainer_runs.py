@@ -98,14 +98,7 @@ def environment() -> dict:
     from custom_ops import cpu as cpu_kernels
     from titan_lrattnres import data
 
-    info = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                info.setdefault(key.strip(), value.strip())
-    except OSError:
-        pass
+    info = cpu_kernels.cpu_info()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True) if cc else None
     manifest = data.load_manifest() or {}
