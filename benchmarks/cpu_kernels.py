@@ -9,7 +9,7 @@ Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags)
 (the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
 on the same tensors, the two libraries alternating call by call, each call after a 32 MB copy
 that evicts the caches (in a training step the read's data is cold), freed memory kept as the
-CPU trainer keeps it (``titan_lrattnres.cpu.keep_freed_memory``: fresh outputs do not
+CPU trainer keeps it (``titan_lrattnres.training.cpu.keep_freed_memory``: fresh outputs do not
 page-fault). The report is the median of each and their ratio, with the largest relative
 difference between the two libraries' results (the work timed is the same). This machine's
 noise moves single calls by tens of percent; the alternation keeps it out of the ratio.
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     if any(lib is None for lib in libs.values()):
         print("cpu_kernels: a library did not build (see the warning)", file=sys.stderr)
         return 2
-    from titan_lrattnres.cpu import keep_freed_memory
+    from titan_lrattnres.training.cpu import keep_freed_memory
 
     keep_freed_memory()  # what the CPU trainer runs with (no page faults on fresh outputs)
     if shape is not None:

@@ -5,10 +5,11 @@
         [--device cpu] [--json PATH]
 
 Every variant is the project's model at one flavor (so one checkpoint size; weights from one seed,
-timing does not depend on their values) decoding through ``titan_lrattnres.generate``'s KV cache,
-eager, greedy. Per batch size B a round times, for every variant in an order that rotates from
-round to round: the prefill of a ``B x prompt`` prompt, then ``new`` single-token steps. Ratios to
-the baseline are taken within a round (median over rounds), so drifts of a shared machine cancel.
+timing does not depend on their values) decoding through ``titan_lrattnres.evaluation.generate``'s
+KV cache, eager, greedy. Per batch size B a round times, for every variant in an order that rotates
+from round to round: the prefill of a ``B x prompt`` prompt, then ``new`` single-token steps.
+Ratios to the baseline are taken within a round (median over rounds), so drifts of a shared machine
+cancel.
 
 Memory (counted, not sampled): the KV cache (the same for every variant) and the peak bytes of the
 live depth state during a forward (embedding, completed block sums and their keys, the partial,
@@ -58,7 +59,7 @@ class Decoder:
     """One variant's model with its depth-state peak recorded at every read site."""
 
     def __init__(self, name: str, flavor: str, device, seed: int = 0):
-        from titan_lrattnres.inference import build_model
+        from titan_lrattnres.evaluation.inference import build_model
 
         variant, blocks, rank = parse_variant(name)
         torch.manual_seed(seed)
@@ -79,7 +80,7 @@ class Decoder:
 
     def run(self, prompt: torch.Tensor, new: int, device) -> dict:
         """Prefill ``prompt``, then ``new`` greedy single-token steps; seconds and peaks."""
-        from titan_lrattnres.generate import KVCache, forward_cached
+        from titan_lrattnres.evaluation.generate import KVCache, forward_cached
 
         b = prompt.shape[0]
         cache = KVCache(self.model, b, prompt.shape[1] + new)
@@ -126,7 +127,7 @@ def measure(
     progress=print,
 ) -> dict:
     """``{batch: {variant: figures}}``; ``variants`` must include ``"baseline"``."""
-    from titan_lrattnres.registry import FLAVORS
+    from titan_lrattnres.model.registry import FLAVORS
 
     if "baseline" not in variants:
         raise ValueError("variants must include 'baseline' (ratios are taken against it)")

@@ -141,7 +141,7 @@ def _corpus_env() -> dict:
     """The Trainer refuses a corpus cached by another Python (a different stdlib): a clone
     carried to the GPU image may hold one, so that Python gets a cache of its own."""
     try:
-        from titan_lrattnres import data
+        from titan_lrattnres.components import data
 
         manifest = data.load_manifest()
     except Exception:  # noqa: BLE001 (the trainer section reports what fails)

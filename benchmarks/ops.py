@@ -196,7 +196,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if not cuda:  # the CPU trainer's allocator setting (a fresh buffer is not page-faulted in)
-        from titan_lrattnres.cpu import keep_freed_memory
+        from titan_lrattnres.training.cpu import keep_freed_memory
 
         keep_freed_memory()
     repeat = args.repeat or (5 if cuda else 21)

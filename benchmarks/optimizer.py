@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from titan_lrattnres.optimizers import recipe_param_groups
-from titan_lrattnres.registry import model_registry
+from titan_lrattnres.components.optimizers import recipe_param_groups
+from titan_lrattnres.model.registry import model_registry
 from train_configs.common import param_groups
 
 MODEL = dict(variant="sliced", blocks=4, rank=32, depth_backend="reference")
@@ -118,9 +118,9 @@ def worker(flavor: str, rounds: int, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.debug import CommDebugMode
 
-    from titan_lrattnres import cpu
+    from titan_lrattnres.training import cpu
 
-    cpu.release_gloo_at_exit()  # no SIGABRT at exit (titan_lrattnres/cpu.py, P7)
+    cpu.release_gloo_at_exit()  # no SIGABRT at exit (titan_lrattnres/training/cpu.py, P7)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {}

@@ -4,7 +4,7 @@
         [--device cpu|cuda] [--dtype fp32|bf16] [--rounds 9] [--optimizer] [--cuda-graphs]
         [--variants baseline,block8,...] [--json PATH]
 
-Every variant is the real ``LRAttnResModel`` (``titan_lrattnres.registry``), each sublayer
+Every variant is the real ``LRAttnResModel`` (``titan_lrattnres.model.registry``), each sublayer
 compiled with ``fullgraph=True`` through torchtitan's own ``apply_compile`` (inductor), weights
 initialised from one seed. A round times one forward + backward (+ AdamW step with
 ``--optimizer``) of every variant, in an order that rotates from round to round; the overhead of
@@ -89,7 +89,7 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
-    from titan_lrattnres.registry import Flavor, build_model_config
+    from titan_lrattnres.model.registry import Flavor, build_model_config
 
     variant, blocks, rank = parse_variant(name)
     flavor = Flavor(
@@ -366,7 +366,7 @@ def main(argv=None) -> int:
         "--system-malloc",
         action="store_true",
         help="CPU: leave glibc's allocator as it is (default: the trainer's CPU setting, "
-        "titan_lrattnres.cpu.keep_freed_memory)",
+        "titan_lrattnres.training.cpu.keep_freed_memory)",
     )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--json", default=None, help="write the result here")
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     shape = Shape(a.layers, a.dim, a.seq, a.heads, a.batch, a.vocab, a.hidden)
     kept = False
     if torch.device(a.device).type == "cpu" and not a.system_malloc:
-        from titan_lrattnres.cpu import keep_freed_memory
+        from titan_lrattnres.training.cpu import keep_freed_memory
 
         kept = keep_freed_memory()  # what the CPU trainer runs with
     variants = tuple(v for v in a.variants.split(",") if v)

@@ -1,4 +1,5 @@
-"""Bytes per pipeline hop, naive vs with the cross-stage source cache (titan_lrattnres.pipeline).
+"""Bytes per pipeline hop, naive vs with the cross-stage source cache
+(titan_lrattnres.parallel.pipeline).
 
     python -m benchmarks.pipeline_hops [--layers 24 --dim 1024 --blocks 8 --rank 64
         --variant sliced] [--json PATH]
@@ -17,7 +18,7 @@ import argparse
 import json
 import sys
 
-from titan_lrattnres.pipeline import hop_table
+from titan_lrattnres.parallel.pipeline_plan import hop_table
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 CO = "tests/custom_ops/"
 SUBSET = [
     [CO + "test_schedule.py", CO + "test_reference_maths.py", CO + "test_cpu_kernels.py",
-     CO + "test_custom_ops_read.py", "tests/titan_lrattnres/test_model.py",
-     "tests/titan_lrattnres/test_block_layers.py", CO + "test_extreme_inputs.py",
-     "tests/titan_lrattnres/test_golden.py"],
+     CO + "test_custom_ops_read.py", "tests/titan_lrattnres/model/test_model.py",
+     "tests/titan_lrattnres/model/test_block_layers.py", CO + "test_extreme_inputs.py",
+     "tests/titan_lrattnres/training/test_golden.py"],
     ["tests/custom_ops_interp"],
 ]  # fmt: skip
 DEPTH, MODEL, SCHED = (
-    "titan_lrattnres/depth.py",
-    "titan_lrattnres/model.py",
+    "titan_lrattnres/model/depth.py",
+    "titan_lrattnres/model/model.py",
     "custom_ops/schedule.py",
 )
 REF, C, TRITON = (

@@ -17,11 +17,11 @@ from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 
-from titan_lrattnres.data import register_datasets, tokenizer_dir
-from titan_lrattnres.loader import GlobalOrderDataLoader
-from titan_lrattnres.optimizers import MuonOptimizersContainer
-from titan_lrattnres.registry import model_registry
-from titan_lrattnres.trainer import EndValidator, LRAttnResTrainer
+from titan_lrattnres.components.data import register_datasets, tokenizer_dir
+from titan_lrattnres.components.loader import GlobalOrderDataLoader
+from titan_lrattnres.components.optimizers import MuonOptimizersContainer
+from titan_lrattnres.model.registry import model_registry
+from titan_lrattnres.training.trainer import EndValidator, LRAttnResTrainer
 
 DEPTH_BACKEND = "auto"
 

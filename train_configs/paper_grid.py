@@ -7,8 +7,8 @@ cautious wd 0.1, lr 1e-3, momentum 0.85 -> 0.95 over 300 steps and back over the
 every >= 2-D weight but embedding and head; AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the
 embedding, LM head and depth queries; gradient clip 1.0; z-loss 1e-5 (validation reports CE).
 ``paper_*_float8``: the same with torchao rowwise float8 for every attention / MLP projection
-(LM head and depth router kept in bf16; ``titan_lrattnres.float8``). Dataset and tokenizer
-are set by the user (``--dataloader.dataset hf_text --dataloader.dataset_path ...
+(LM head and depth router kept in bf16; ``titan_lrattnres.components.float8``). Dataset and
+tokenizer are set by the user (``--dataloader.dataset hf_text --dataloader.dataset_path ...
 --hf_assets_path ...``); the flavor's vocabulary is cl100k-sized (100,277).
 
 Names: ``paper_baseline``, ``paper_attnres_{full,block4,block8,block16}``,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from titan_lrattnres.float8 import Float8Rowwise
+from titan_lrattnres.components.float8 import Float8Rowwise
 from train_configs.common import make_config
 from train_configs.recipe import with_paper_recipe
 

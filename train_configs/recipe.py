@@ -14,8 +14,8 @@ from dataclasses import asdict
 
 from torchtitan.components.loss import ChunkedLossWrapper
 
-from titan_lrattnres.optimizers import MomentumLRSchedulers, recipe_param_groups
-from titan_lrattnres.zloss import ZLossCrossEntropy, ZLossMetricsProcessor
+from titan_lrattnres.components.optimizers import MomentumLRSchedulers, recipe_param_groups
+from titan_lrattnres.components.zloss import ZLossCrossEntropy, ZLossMetricsProcessor
 
 
 def with_paper_recipe(

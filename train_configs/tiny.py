@@ -1,5 +1,5 @@
 """Tiny deterministic runs for the reproducibility tests, a second or two of training each on
-one core: the golden loss curves (``tests/titan_lrattnres/test_golden.py``) and 1-vs-2-rank
+one core: the golden loss curves (``tests/titan_lrattnres/training/test_golden.py``) and 1-vs-2-rank
 parity (``test_parity.py``).
 
 ``tiny_{baseline,attnres_full,attnres,sliced,projected}``: the ``debug`` flavor (d=64, L=2, so

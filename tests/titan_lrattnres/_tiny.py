@@ -2,7 +2,7 @@
 
 import torch
 
-from titan_lrattnres.inference import build_model
+from titan_lrattnres.evaluation.inference import build_model
 
 
 def trained(variant, blocks, depth_backend="reference", steps=3, seed=0):

@@ -20,9 +20,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_lrattnres import cpu
-from titan_lrattnres.muon import Muon
-from titan_lrattnres.optimizers import MuonOptimizersContainer, ParamGroup
+from titan_lrattnres.components.muon import Muon
+from titan_lrattnres.components.optimizers import MuonOptimizersContainer, ParamGroup
+from titan_lrattnres.training import cpu
 
 # tall uneven (19/18 rows), wide (Shard(1) statistics 19/18), 2/1 rows, 1/0 rows, 3-D, square
 SHAPES = {"tall": (37, 24), "wide": (24, 37), "tiny": (3, 5), "row": (1, 8), "cube": (5, 3, 4)}

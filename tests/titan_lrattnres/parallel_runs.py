@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from titan_lrattnres import inference
+from titan_lrattnres.evaluation import inference
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("parallel_worker.py")

@@ -1,6 +1,6 @@
 """Launcher for the tensor- and pipeline-parallel tests: ``python parallel_worker.py MODEL
-[trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke`` with the
-model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
+[trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.training.train`` on ``cpu_smoke``
+with the model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
 ``attnres_full``, ``sliced_v1000``) and two test hooks:
 
 - the gradient-clipping norm is computed in float64: torch's fp32 ``vector_norm`` on CPU
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import sys
 
-from titan_lrattnres import cpu
+from titan_lrattnres.training import cpu
 
 cpu.apply()
 
@@ -166,7 +166,7 @@ def register(model: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from titan_lrattnres.train import main as train_main
+    from titan_lrattnres.training.train import main as train_main
 
     grads = os.environ.get("TP_GRADS")
     if grads:  # the gradients of step 1, before clipping

@@ -1,6 +1,6 @@
 """Several ``python -m titan_lrattnres.train`` runs in one process, for the golden and parity
 tests: one import of torch and torchtitan (~10 s on 2 cores) instead of one per run. Each run
-goes through the project's entry point (``titan_lrattnres.train.main``) unchanged: the real
+goes through the project's entry point (``titan_lrattnres.training.train.main``) unchanged: the real
 Trainer, data, loss, optimizer, LR schedule and checkpointer.
 
     python -m tests.titan_lrattnres.trainer_runs RUNS.json OUT.json
@@ -37,7 +37,7 @@ _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADD
 def tiny_corpus_env(cache: Path) -> dict[str, str]:
     """A subprocess environment whose data cache holds a tiny stdlib corpus (the first 60 train
     and 8 validation files of this Python's stdlib, V=1024), built under ``cache``."""
-    from titan_lrattnres import data
+    from titan_lrattnres.components import data
 
     if data.load_manifest(cache) is None:
         files = data.stdlib_files()
@@ -96,7 +96,7 @@ def environment() -> dict:
     import torch
 
     from custom_ops import cpu as cpu_kernels
-    from titan_lrattnres import data
+    from titan_lrattnres.components import data
 
     info = cpu_kernels.cpu_info()
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -208,7 +208,7 @@ def _record_fp64_grad_norms() -> None:
 
 
 def main(spec_path: str, out_path: str) -> int:
-    from titan_lrattnres import cpu, train
+    from titan_lrattnres.training import cpu, train
 
     cpu.apply()  # before torchtitan is imported
     _record_fp64_grad_norms()

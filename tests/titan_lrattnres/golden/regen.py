@@ -16,8 +16,8 @@ loss and grad norm and the final validation loss.
   so. Measured here against the stored curves: ATen's SIMD dispatch forced from AVX2 to none,
   the C kernels built for generic x86-64 instead of -march=native, or 2 threads instead of 1
   move the losses by at most 5.5e-7 relative, the val losses 1.3e-7, the grad norms 2.7e-4
-  (the norm is the touchy one: see tests/titan_lrattnres/test_parity.py); scaling every depth
-  logit by 1.01 (one line of the C kernel) moves the routed variants' losses by 1.5e-5 to 1e-4
+  (the norm is the touchy one: see tests/titan_lrattnres/parallel/test_parity.py); scaling every
+  depth logit by 1.01 (one line of the C kernel) moves the routed variants' losses by 1.5e-5 to 1e-4
   and their grad norms by 4.9e-4 to 3.9e-2, and fails all four within the tolerance too;
 - other software (another torch, torchtitan, Python/stdlib or corpus): not compared; the test
   fails with this command, since bits and drift both change with them and a tolerance wide
@@ -140,7 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     fresh["recorded"] = datetime.date.today().isoformat()
     entries.append(fresh)
     out = {
-        "about": f"Golden loss curves (tests/titan_lrattnres/test_golden.py); write with {COMMAND}",
+        "about": (
+            "Golden loss curves (tests/titan_lrattnres/training/test_golden.py); "
+            f"write with {COMMAND}"
+        ),
         "runs": {v: [v, *FLAGS] for v in VARIANTS},
         "entries": entries,
     }

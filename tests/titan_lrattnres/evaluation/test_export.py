@@ -1,0 +1,137 @@
+"""Export: torch.export program, AOTInductor package and safetensors, reloaded in a fresh
+process; dynamic batch and sequence length; lrattnres:: custom ops kept as graph nodes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import custom_ops  # noqa: F401  (registers torch.ops.lrattnres)
+from tests.titan_lrattnres._tiny import trained
+from titan_lrattnres.evaluation import export
+from titan_lrattnres.evaluation.inference import load_model
+
+ROOT = Path(__file__).resolve().parents[3]
+SHAPES = [(1, 5), (3, 23)]  # two shapes, neither the export example (2, 16)
+
+LOADER = """
+import sys, torch
+from titan_lrattnres.evaluation.inference import load_aoti, load_exported, load_model
+kind, path, data = sys.argv[1:4]
+load = {"export": load_exported, "aoti": load_aoti, "safetensors": lambda p: load_model(p)[0]}
+f = load[kind](path)
+with torch.no_grad():
+    torch.save([f(x) for x in torch.load(data)], data + "." + kind + ".pt")
+"""
+
+
+def _inputs(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randint(0, 256, s, generator=g) for s in SHAPES]
+    torch.save(xs, tmp_path / "inputs.pt")
+    return xs
+
+
+def _fresh_process(kind, path, tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    data = tmp_path / "inputs.pt"
+    subprocess.run(
+        [sys.executable, "-c", LOADER, kind, str(path), str(data)],
+        check=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    return torch.load(f"{data}.{kind}.pt")
+
+
+@pytest.mark.parametrize(
+    "variant,blocks,backend",
+    [
+        ("baseline", None, "reference"),
+        ("attnres", None, "reference"),
+        ("projected", 2, "reference"),
+        ("sliced", 3, "auto"),
+        ("projected", None, "auto"),
+    ],
+)
+def test_exported_program_dynamic_shapes(variant, blocks, backend):
+    model, _ = trained(variant, blocks, backend, steps=1)
+    program = export.export_program(model)
+    run = program.module()
+    with torch.no_grad():
+        for shape in SHAPES:
+            x = torch.randint(0, 256, shape)
+            torch.testing.assert_close(run(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "variant,blocks,expected",
+    [
+        ("sliced", 3, {"lrattnres.block_read_sliced.default", "lrattnres.merge_partial.default"}),
+        ("projected", 2, {"lrattnres.block_read.default", "lrattnres.merge_partial.default"}),
+    ],
+)
+def test_fused_backend_keeps_custom_op_nodes(variant, blocks, expected):
+    """Fails (never skips) if the lrattnres:: ops are not registered."""
+    model, _ = trained(variant, blocks, "auto", steps=0)
+    assert set(export.custom_op_nodes(export.export_program(model))) == expected
+    ref, _ = trained(variant, blocks, "reference", steps=0)
+    assert export.custom_op_nodes(export.export_program(ref)) == []
+
+
+def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
+    # default depth backend (auto): the fused ops when registered
+    model, args = trained("sliced", 3, depth_backend=None)
+    run = tmp_path / "run"
+    dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-3"))
+    (run / "model_args.json").write_text(json.dumps(args))
+    out = tmp_path / "out"
+    assert (
+        export.main(["--run", str(run), "--out", str(out), "--format", "export,safetensors"]) == 0
+    )
+    record = json.loads((out / "export.json").read_text())
+    assert record["dynamic"]["seq"] == [2, 512] and set(record["files"]) == {
+        "export",
+        "safetensors",
+    }
+    assert record["custom_op_nodes"], "fused backend exported without lrattnres:: nodes"
+    xs = _inputs(tmp_path)
+    with torch.no_grad():
+        eager = [model(x) for x in xs]
+    for x, got, want in zip(
+        xs, _fresh_process("export", out / "model.pt2", tmp_path), eager, strict=True
+    ):
+        assert got.shape == (*x.shape, 256)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for got, want in zip(
+        _fresh_process("safetensors", out / "safetensors", tmp_path), eager, strict=True
+    ):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    rebuilt, rebuilt_args = load_model(out / "safetensors")
+    assert rebuilt_args == args
+    for k, v in model.state_dict().items():
+        assert torch.equal(rebuilt.state_dict()[k], v), k
+
+
+def test_unknown_format_is_refused(tmp_path):
+    with pytest.raises(SystemExit, match="unknown --format"):
+        export.main(["--checkpoint", str(tmp_path), "--out", str(tmp_path), "--format", "onnx"])
+
+
+@pytest.mark.slow
+def test_aoti_package_reloads_in_fresh_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
+    model, args = trained("projected", 2, depth_backend=None)
+    record = export.export_all(model, args, tmp_path / "out", formats=("aoti",))
+    assert record["files"] == {"aoti": "model_aoti.pt2"}
+    xs = _inputs(tmp_path)
+    got = _fresh_process("aoti", tmp_path / "out" / "model_aoti.pt2", tmp_path)
+    with torch.no_grad():
+        for x, g in zip(xs, got, strict=True):
+            torch.testing.assert_close(g, model(x), rtol=1e-4, atol=1e-4)

@@ -1,0 +1,2 @@
+"""After training: loading trained models (``inference``), generation, routing analysis, long
+inputs, export and the variant sweep."""

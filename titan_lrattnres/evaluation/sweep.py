@@ -1,0 +1,420 @@
+"""Variant sweep at matched tokens, data and seed: train, evaluate, tabulate, plot (cf. Figure 1).
+
+    python -m titan_lrattnres.sweep [--configs a,b,c] [--out DIR] [--nproc N] [--dry-run] \
+        [--merge OLD/sweep.json] [--section.field VALUE ...]
+        (any other argument is passed to every training run)
+
+Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
+``python -m titan_lrattnres.train NAME --dump_folder OUT/NAME`` (``torchrun --standalone
+--nproc_per_node N -m titan_lrattnres.train ...`` for N > 1), unless that folder already holds a
+``summary.json`` (a finished run is reused). Then, per run:
+
+- validation loss recomputed from the newest checkpoint over the held-out split: per-batch mean
+  cross-entropy over ``--val-batches`` batches of the run's ``[local_batch_size, seq_len]``,
+  reported as mean ± 1.96·std/sqrt(n) (falls back to the trainer's ``final_val_loss``, no CI,
+  when no validation text is available);
+- added FLOPs % (SPEC §5, ``titan_lrattnres.model.flops.added_flops_percent``), parameters,
+  tokens/s and peak memory (the run's ``summary.json``).
+
+Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
+FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
+several learning rates (``cpu_default_*_lr*``), ``sweep.md`` (and ``sweep_best_lr.json``) add
+each model at its best rate with the paired difference to the baseline at ITS best rate, and
+``sweep.png`` shows those rows.
+``--decode FILE`` (from ``python -m benchmarks.decode --json``) and ``--longctx FILE``
+(``longctx.json`` of ``python -m titan_lrattnres.longctx``) add their columns: decode latency
+per token over the baseline (batch 1 and 8; per model), and per trained run the loss in the last
+quarter of a 4x-training-length input minus its loss at 1x (extrapolation) and the copy probe's
+gain (first minus second occurrence loss) at the longest gap. ``--merge OLD/sweep.json`` adds the
+rows of an earlier sweep (runs that need not be on this machine: their per-batch losses are in the
+JSON) to this one's, in the earlier order, new configs after; a config in both takes this run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# baseline, standard Full, standard Block N=4, S-LR Block N=4 r=32, P-LR Block N=4 r=32 (cpu_small)
+DEFAULT_CONFIGS = (
+    "cpu_default_baseline",
+    "cpu_default_attnres_full",
+    "cpu_default_attnres",
+    "cpu_default_sliced",
+    "cpu_default_projected",
+)
+
+
+def available_configs() -> set[str]:
+    try:
+        from train_configs import CONFIGS
+    except ImportError:
+        return set()
+    return set(CONFIGS)
+
+
+def train_command(name: str, run_dir: Path, nproc: int, extra: list[str]) -> list[str]:
+    launcher = [sys.executable, "-m"]
+    if nproc > 1:
+        launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
+    return [*launcher, "titan_lrattnres.train", name, "--dump_folder", str(run_dir), *extra]
+
+
+def ci95(losses: list[float]) -> tuple[float, float]:
+    """``(mean, half-width)`` of the 95% normal confidence interval of the mean."""
+    n = len(losses)
+    mean = sum(losses) / n
+    if n < 2:
+        return mean, float("nan")
+    var = sum((x - mean) ** 2 for x in losses) / (n - 1)
+    return mean, 1.96 * math.sqrt(var / n)
+
+
+@torch.no_grad()
+def batch_losses(model, tokens: torch.Tensor, batch: int, seq_len: int, n: int) -> list[float]:
+    """Mean next-token cross-entropy of each of up to ``n`` consecutive batches
+    ``[batch, seq_len + 1]`` cut from the flat ``tokens``."""
+    per = batch * (seq_len + 1)
+    losses = []
+    for i in range(min(n, tokens.numel() // per)):
+        x = tokens[i * per : (i + 1) * per].reshape(batch, seq_len + 1)
+        logits = model(x[:, :-1])
+        losses.append(
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), x[:, 1:].flatten()
+            ).item()
+        )
+    return losses
+
+
+def evaluate_run(run_dir: Path, summary: dict, val_batches: int) -> dict:
+    """Validation loss with a CI from the run's checkpoint (see the module docstring)."""
+    from titan_lrattnres.evaluation.inference import (
+        default_validation_source,
+        load_model,
+        model_args_from_summary,
+        validation_tokens,
+    )
+
+    source = default_validation_source()
+    if source is None:
+        return {}
+    model, _ = load_model(run_dir, model_args=model_args_from_summary(summary))
+    batch, seq = summary["local_batch_size"], summary["seq_len"]
+    tokens = validation_tokens(*source, val_batches * batch * (seq + 1))
+    losses = batch_losses(model, tokens, batch, seq, val_batches)
+    if not losses:
+        return {}
+    mean, half = ci95(losses)
+    return {
+        "val_loss": mean,
+        "val_ci95": half,
+        "val_batches": len(losses),
+        "val_batch_losses": losses,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def config_lr(name: str) -> float | None:
+    """The learning rate of a config's matrices (its last parameter group), or None."""
+    try:
+        from train_configs import get_config
+
+        return get_config(name).optimizer.param_groups[-1].optimizer_kwargs["lr"]
+    except (ImportError, KeyError, AttributeError, IndexError):
+        return None
+
+
+def model_key(variant: str, blocks, rank, block_layers=None) -> tuple:
+    """What identifies a model across tables: blocks/rank only where they apply."""
+    if variant == "baseline":
+        return ("baseline",)
+    return (variant, blocks, block_layers, None if variant == "attnres" else rank)
+
+
+def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
+    """One table row from a run summary and (optionally) our own evaluation."""
+    from titan_lrattnres.model.flops import added_flops_percent
+    from titan_lrattnres.model.registry import FLAVORS
+
+    f = FLAVORS[summary["flavor"]]
+    variant, blocks = summary["variant"], summary.get("blocks")
+    block_layers = summary.get("block_layers")
+    added = added_flops_percent(
+        variant,
+        num_layers=f.n_layers,
+        dim=f.dim,
+        hidden=f.hidden_dim,
+        rank=summary.get("rank"),
+        blocks=blocks,
+        block_layers=block_layers,
+    )
+    ev = evaluation or {}
+    return {
+        "config": name,
+        "lr": config_lr(name),
+        "variant": variant,
+        "blocks": blocks,
+        "block_layers": block_layers,
+        "rank": None
+        if variant == "baseline"
+        else (f.dim if variant == "attnres" else summary.get("rank")),
+        "tokens": summary.get("tokens"),
+        "val_loss": ev.get("val_loss", summary.get("final_val_loss")),
+        "val_ci95": ev.get("val_ci95"),
+        "val_batches": ev.get("val_batches"),
+        "val_batch_losses": ev.get("val_batch_losses"),
+        "trainer_val_loss": summary.get("final_val_loss"),
+        "added_flops_pct": added,
+        "params": ev.get("params", summary.get("params")),
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "peak_mem_mib": summary.get("peak_rss_mib"),
+    }
+
+
+def add_paired_deltas(rows: list[dict]) -> None:
+    """``delta_vs_baseline`` (± paired 95% CI): every run is evaluated on the same batches, so
+    the per-batch differences to the baseline cancel the batch-to-batch spread of the corpus."""
+    base = next((r for r in rows if r["variant"] == "baseline"), None)
+    base_losses = (base or {}).get("val_batch_losses")
+    for r in rows:
+        losses = r.get("val_batch_losses")
+        if not base_losses or not losses or len(losses) != len(base_losses):
+            r["delta_vs_baseline"], r["delta_ci95"] = None, None
+            continue
+        r["delta_vs_baseline"], r["delta_ci95"] = ci95([a - b for a, b in zip(losses, base_losses)])
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """``old`` (rows of an earlier ``sweep.json``) in their order, a config run again replaced by
+    its ``new`` row, then the new configs; deltas and extras are recomputed by ``write_report``."""
+    fresh = {r["config"]: r for r in new}
+    merged = [fresh.pop(r["config"], r) for r in old]
+    return merged + list(fresh.values())
+
+
+def best_lr_rows(rows: list[dict]) -> list[dict]:
+    """Each model (``model_key``) at its lowest validation loss over learning rates, with the
+    paired difference to the baseline at the baseline's best rate; [] if no model has two rates."""
+    best: dict[tuple, dict] = {}
+    counts: dict[tuple, int] = {}
+    for r in rows:
+        key = model_key(r["variant"], r["blocks"], r["rank"], r.get("block_layers"))
+        counts[key] = counts.get(key, 0) + 1
+        if r["val_loss"] is not None and (key not in best or r["val_loss"] < best[key]["val_loss"]):
+            best[key] = r
+    if max(counts.values(), default=0) < 2:
+        return []
+    picked = [dict(r) for r in best.values()]
+    add_paired_deltas(picked)
+    return picked
+
+
+def attach_extras(rows: list[dict], decode: dict | None, longctx: dict | None) -> None:
+    """Decode latency and long-input columns (see the module docstring), matched by model."""
+    if decode:
+        by_key = {}
+        for batch, table in decode["result"].items():
+            for r in table.values():
+                v, blocks, rank = r["variant"]
+                by_key.setdefault(model_key(v, blocks, rank), {})[str(batch)] = r["decode_ratio"]
+        for r in rows:
+            ratios = by_key.get(model_key(r["variant"], r["blocks"], r["rank"]), {})
+            r["decode_ratio_b1"], r["decode_ratio_b8"] = ratios.get("1"), ratios.get("8")
+    if longctx:  # per trained run (matched by its folder name = config)
+        by_run = {}
+        for run in longctx["runs"].values():
+            pos, probe = run["loss_by_position"], run["copy_probe"]
+            one, far = pos["1"]["buckets"], pos[max(pos, key=int)]["buckets"]
+            tail = far[-(len(far) // 4 or 1) :]
+            gap = probe[max(probe, key=int)]
+            by_run[Path(run["run"]).name] = {
+                "long_degradation": sum(tail) / len(tail) - sum(one) / len(one),
+                "copy_gain": gap["first_loss"] - gap["second_loss"],
+            }
+        for r in rows:
+            r.update(by_run.get(r["config"], {}))
+
+
+def label(row: dict) -> str:
+    v = {"baseline": "Baseline", "attnres": "Standard", "sliced": "S-LR", "projected": "P-LR"}
+    name = v.get(row["variant"], row["variant"])
+    if row["variant"] == "baseline":
+        return name
+    if row.get("block_layers") is not None:
+        shape = f"Block {row['block_layers']}-layer"
+    else:
+        shape = "Full" if row["blocks"] is None else f"Block N={row['blocks']}"
+    rank = f" r={row['rank']}" if row["variant"] in ("sliced", "projected") else ""
+    return f"{name} {shape}{rank}"
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    extras = [
+        (k, h, f)
+        for k, h, f in (
+            ("decode_ratio_b1", "decode × base B=1", ".3f"),
+            ("decode_ratio_b8", "decode × base B=8", ".3f"),
+            ("long_degradation", "loss last ¼ of 4×T − 1×T", "+.3f"),
+            ("copy_gain", "copy gain, longest gap", "+.3f"),
+        )
+        if any(r.get(k) is not None for r in rows)
+    ]
+    lines = [
+        "| model | config | lr | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
+        "added FLOPs % | params | tokens/s | peak mem MiB |"
+        + "".join(f" {h} |" for _, h, _ in extras),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extras),
+    ]
+    for r in rows:
+        loss = _fmt(r["val_loss"], ".4f")
+        if r.get("val_ci95") is not None and not math.isnan(r["val_ci95"]):
+            loss += f" ± {r['val_ci95']:.4f}"
+        delta = _fmt(r.get("delta_vs_baseline"), "+.4f")
+        if r.get("delta_ci95") is not None and not math.isnan(r["delta_ci95"]):
+            delta += f" ± {r['delta_ci95']:.4f}"
+        lines.append(
+            f"| {label(r)} | {r['config']} | {_fmt(r.get('lr'), 'g')} | {loss} | {delta} | "
+            f"{_fmt(r['added_flops_pct'], '.3f')} | "
+            f"{_fmt(r['params'], ',')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+            f"{_fmt(r['peak_mem_mib'], ',.0f')} |"
+            + "".join(f" {_fmt(r.get(k), f)} |" for k, _, f in extras)
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
+    """Validation loss vs added FLOPs %, one labelled point per variant (paper's Figure 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in rows:
+        if r["val_loss"] is None:
+            continue
+        err = r.get("val_ci95")
+        ax.errorbar(
+            r["added_flops_pct"],
+            r["val_loss"],
+            yerr=None if err is None or math.isnan(err) else err,
+            fmt="o",
+            capsize=3,
+        )
+        ax.annotate(
+            label(r),
+            (r["added_flops_pct"], r["val_loss"]),
+            textcoords="offset points",
+            xytext=(5, 5),
+            fontsize=8,
+        )
+    ax.set_xlabel("added FLOPs % (SPEC §5, forward, per token)")
+    ax.set_ylabel("validation loss")
+    ax.set_title(title or "validation loss vs added FLOPs")
+    ax.grid(alpha=0.3)
+    ax.margins(x=0.3, y=0.15)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_report(rows: list[dict], out: Path, decode=None, longctx=None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    add_paired_deltas(rows)
+    attach_extras(rows, decode, longctx)
+    best = best_lr_rows(rows)
+    md = (
+        "# Variant sweep\n\nMatched tokens, data and seed. Validation loss: mean of per-batch "
+        "losses over the held-out split, ± 1.96·std/sqrt(n); Δ vs baseline: mean of the "
+        "per-batch differences on the same batches, ± 1.96·std/sqrt(n).\n\n" + markdown_table(rows)
+    )
+    if best:
+        md += (
+            "\n## Each model at its best learning rate\n\nΔ vs the baseline at the baseline's "
+            "best rate (same held-out batches, paired).\n\n" + markdown_table(best)
+        )
+    (out / "sweep.md").write_text(md)
+    (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if best:
+        (out / "sweep_best_lr.json").write_text(json.dumps(best, indent=2) + "\n")
+    # one point per model: at its best rate when there are several
+    plot(best or rows, out / "sweep.png", "each model at its best learning rate" if best else "")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m titan_lrattnres.sweep",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma list of names")
+    p.add_argument("--out", default="runs/sweep")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--val-batches", type=int, default=40)
+    p.add_argument("--dry-run", action="store_true", help="print the commands, train nothing")
+    p.add_argument("--decode", help="JSON of python -m benchmarks.decode --json (columns)")
+    p.add_argument("--longctx", help="longctx.json of python -m titan_lrattnres.longctx")
+    p.add_argument("--merge", help="sweep.json of an earlier sweep: its rows join the table")
+    ns, extra = p.parse_known_args(argv)
+    out = Path(ns.out)
+    names = [c for c in ns.configs.split(",") if c]
+    known = available_configs()
+    rows = []
+    for name in names:
+        if known and name not in known:
+            print(f"skip {name}: not a train_configs name (known: {', '.join(sorted(known))})")
+            continue
+        run = out / name
+        summary_file = run / "summary.json"
+        cmd = train_command(name, run, ns.nproc, extra)
+        if summary_file.is_file():
+            print(f"reuse {run} (summary.json present)")
+        elif ns.dry_run:
+            print(" ".join(cmd))
+            continue
+        else:
+            print("$ " + " ".join(cmd), flush=True)
+            env = dict(
+                os.environ,
+                PYTHONPATH=os.pathsep.join(
+                    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+                ),
+            )
+            if subprocess.run(cmd, env=env).returncode != 0 or not summary_file.is_file():
+                print(f"FAILED {name}: no {summary_file}; left out of the table")
+                continue
+        summary = json.loads(summary_file.read_text())
+        try:
+            evaluation = evaluate_run(run, summary, ns.val_batches)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:
+            print(
+                f"{name}: no own evaluation ({type(e).__name__}: {e}); using the trainer's "
+                "final_val_loss without a CI"
+            )
+            evaluation = {}
+        rows.append(make_row(name, summary, evaluation))
+    if ns.merge and not ns.dry_run:
+        rows = merge_rows(json.loads(Path(ns.merge).read_text()), rows)
+    if rows:
+        extras = [json.loads(Path(f).read_text()) if f else None for f in (ns.decode, ns.longctx)]
+        write_report(rows, out, *extras)
+        print(markdown_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

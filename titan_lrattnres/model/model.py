@@ -1,0 +1,214 @@
+"""LR-AttnRes decoder: 2L residual-writing sublayers and a depth router between them.
+
+``model.layers`` holds the M = 2L sublayers (``"0"`` = attention of layer 1, ``"1"`` = its MLP,
+...), so torchtitan's per-unit activation checkpointing, ``compile(fullgraph=True)`` and FSDP2
+apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced by the depth
+loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
+through the final RMSNorm and the LM head (SPEC §1). Parallelism: FSDP2 / HSDP, tensor parallel
+with or without sequence parallel, and both together (layouts:
+``titan_lrattnres.parallel.sharding``); pipeline parallel (stages, the cross-stage source cache:
+``titan_lrattnres.parallel.pipeline``); context parallel is refused in
+``LRAttnResModel.Config.update_from_config``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchtitan.models.common.attention import AttentionMasksType, GQAttention
+from torchtitan.models.common.decoder import Decoder
+from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.nn_modules import RMSNorm
+from torchtitan.models.utils import get_dense_model_nparams_and_flops
+from torchtitan.protocols.module import Module
+
+from custom_ops.reference import key_rmsnorm
+from titan_lrattnres.model.depth import DepthRouter
+from titan_lrattnres.model.flops import routing_flops
+
+
+class Sublayer(Module):
+    """One residual-writing sublayer j: ``o_j = F_j(RMSNorm(h_{j-1}))``.
+
+    For the projected variant the output projection has d + r rows, one weight ``[W^O; W^K]``;
+    the sublayer returns ``(o_j, RMSNorm(k_j))`` with the key normalised at emission (fp32).
+    """
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Module.Config):
+        dim: int
+        norm: RMSNorm.Config
+        attention: GQAttention.Config | None = None
+        feed_forward: FeedForward.Config | None = None
+        key_rank: int = 0  # r extra output rows (projected); 0 = none
+        key_eps: float | None = None
+
+    def __init__(self, config: Config):
+        super().__init__()
+        if (config.attention is None) == (config.feed_forward is None):
+            raise ValueError("a Sublayer has exactly one of attention / feed_forward")
+        self.dim = config.dim
+        self.key_rank = config.key_rank
+        self.key_eps = config.key_eps
+        self.norm = config.norm.build()
+        if self.key_rank:
+            # o_j is a column slice of the [W^O; W^K] product (row stride d + r). By default
+            # AOTAutograd expects each tangent in its output's strides, and copies o_j's
+            # (contiguous) gradient into a fresh [.., d + r]-strided buffer before every compiled
+            # backward: one [B, T, d] copy per sublayer (L=24 d=1024 T=512: 48 a step, ~8 ms on
+            # 2 CPU cores). Tangents in their outputs' memory format (contiguous) skip it; the
+            # backward graphs are otherwise the same. Process-wide, like float8's inductor flag.
+            torch._functorch.config.guess_tangent_strides_as_outputs = False
+        self.attention = config.attention.build() if config.attention is not None else None
+        self.feed_forward = config.feed_forward.build() if config.feed_forward is not None else None
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        attention_masks: AttentionMasksType | None,
+        positions: torch.Tensor | None = None,
+    ):
+        x = self.norm(h)
+        if self.attention is not None:
+            y = self.attention(x, attention_masks, positions)
+        else:
+            y = self.feed_forward(x)
+        return self.emit(y)
+
+    def emit(self, y: torch.Tensor):
+        """The output projection's result ``[..., d (+ r)]`` -> ``o`` or ``(o, RMSNorm(k))``."""
+        if not self.key_rank:
+            return y
+        o, k = y.split([self.dim, self.key_rank], dim=-1)
+        return o, key_rmsnorm(k, self.key_eps)
+
+
+# Logit of a padded vocabulary row: finite (0 * mask = 0 in entropy-style sums, where -inf would
+# give NaN), far below any real logit, exactly 0 after softmax / logsumexp in fp32 and bf16.
+PAD_LOGIT = -1e30
+
+
+class VocabHead(Linear):
+    """The LM head: ``out_features`` rows = ``vocab_size`` padded up (``registry.VOCAB_MULTIPLE``);
+    the padded logits are set to ``PAD_LOGIT`` so loss, sampling and argmax ignore them.
+
+    Under tensor parallelism the rows are sharded evenly over the TP ranks; each rank masks the
+    padded rows of its own shard (the last ranks' shards hold the padding)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        vocab_size: int  # real vocabulary; out_features - vocab_size rows are padding
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        if not 1 <= config.vocab_size <= config.out_features:
+            raise ValueError(
+                f"vocab_size {config.vocab_size} must be in [1, out_features={config.out_features}]"
+            )
+        self.vocab_size = config.vocab_size
+        self._shard = (0, config.out_features)  # (first row, rows) of this rank's shard
+
+    def parallelize(self, parallel_dims) -> None:
+        tp = parallel_dims.tp
+        if tp > 1:
+            rows = self.out_features // tp
+            self._shard = (parallel_dims.get_mesh("tp").get_local_rank() * rows, rows)
+        super().parallelize(parallel_dims)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(input)
+        start, rows = self._shard
+        real = min(max(self.vocab_size - start, 0), rows)
+        if real < rows:  # in place: the matmul does not keep its output for backward
+            logits[..., real:].fill_(PAD_LOGIT)
+        return logits
+
+
+class LRAttnResModel(Decoder):
+    """Decoder whose residual stream is replaced by a softmax read across depth."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Decoder.Config):
+        router: DepthRouter.Config
+        hidden_dim: int
+
+        def update_from_config(self, *, config, **kwargs) -> None:
+            Decoder.Config.update_from_config(self, config=config, **kwargs)
+            parallelism = config.parallelism
+            if parallelism.context_parallel_degree > 1:
+                raise NotImplementedError(
+                    "LR-AttnRes does not support context parallel yet (parallelism."
+                    f"context_parallel_degree={parallelism.context_parallel_degree}; set it to "
+                    "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
+                    "has no CPU backward, so CP cannot be tested here; README 'Parallelism'"
+                )
+            if parallelism.pipeline_parallel_degree > 1:
+                from titan_lrattnres.parallel.pipeline_plan import check_schedule
+
+                check_schedule(parallelism.pipeline_parallel_schedule)
+            from titan_lrattnres.parallel.sharding import set_sharding_config, set_tensor_parallel
+
+            tp = parallelism.tensor_parallel_degree
+            enable_sp = tp > 1 and parallelism.enable_sequence_parallel
+            set_sharding_config(self, enable_sp=enable_sp)
+            if tp > 1:
+                set_tensor_parallel(self, config, tp)
+
+        def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+            attn = self.first_attention
+            nparams, flops = get_dense_model_nparams_and_flops(
+                model,
+                n_layers=self.num_layers,
+                n_heads=attn.n_heads,
+                head_dims=2 * (self.dim // attn.n_heads),
+                seq_len=seq_len,
+                enable_weight_tying=self.enable_weight_tying,
+            )
+            # 6·params already covers the W^K rows and W_0^K; add the read itself (fwd + bwd).
+            r = self.router
+            read = routing_flops(
+                r.variant, self.num_layers, self.dim, self.hidden_dim, r.rank, r.blocks,
+                block_layers=r.block_layers,
+            )  # fmt: skip
+            if r.variant == "projected":
+                read -= 2 * r.rank * (self.num_layers * (self.dim + self.hidden_dim) + self.dim)
+            return nparams, flops + 3 * read
+
+        @property
+        def num_layers(self) -> int:
+            return len(self.layers) // 2
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.vocab_size = config.vocab_size  # real vocabulary (the head may have padded rows)
+        self.router = config.router.build()
+
+    def run_depth(self, embedding: torch.Tensor, sublayer_fn, on_read=None) -> torch.Tensor:
+        """The depth loop: site 0 is the embedding; sublayer j writes ``sublayer_fn(j, layer,
+        h_{j-1})`` and site j reads. ``on_read(j, state)`` sees every site's sources. Shared by
+        ``forward``, cached decoding and the routing analysis. Returns ``h_M``."""
+        state = self.router.start(embedding)
+        h = embedding
+        for j, layer in enumerate(self.layers.values(), start=1):
+            h = self.router.step(state, j, sublayer_fn(j, layer, h))
+            if on_read is not None:
+                on_read(j, state)
+        return h
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        attention_masks: AttentionMasksType | None = None,
+    ):
+        h = self.run_depth(
+            self.tok_embeddings(tokens),
+            lambda j, layer, x: layer(x, attention_masks, positions),
+        )
+        h = self.norm(h)
+        if self._skip_lm_head:
+            return h
+        return self.lm_head(h)

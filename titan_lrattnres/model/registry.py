@@ -1,0 +1,216 @@
+"""``model_registry(flavor, *, variant, blocks, rank, ...) -> ModelSpec`` and the flavors.
+
+Flavors follow SPEC §6 (no biases, untied head, RoPE θ = 5e5, qk-norm, parameter-free RMSNorms,
+init N(0, 0.02)); ``debug`` is sized for seconds-per-step CPU runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.common.config_utils import (
+    get_attention_config,
+    make_ffn_config,
+    make_gqa_config,
+)
+from torchtitan.models.llama3.parallelize import parallelize_llama
+from torchtitan.protocols.model_spec import ModelSpec
+
+from titan_lrattnres.model.depth import BACKENDS, DepthRouter, query_names
+from titan_lrattnres.model.flops import VARIANTS
+from titan_lrattnres.model.model import LRAttnResModel, Sublayer, VocabHead
+from titan_lrattnres.parallel.pipeline import pipeline_lrattnres
+
+
+@dataclass(frozen=True)
+class Flavor:
+    dim: int
+    n_layers: int
+    n_heads: int
+    hidden_dim: int
+    vocab_size: int
+    max_seq_len: int
+
+
+FLAVORS: dict[str, Flavor] = {
+    # CPU-sized: seconds per step on 2 cores.
+    "debug": Flavor(
+        dim=64, n_layers=2, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512
+    ),
+    "cpu_small": Flavor(
+        dim=128, n_layers=4, n_heads=4, hidden_dim=384, vocab_size=4096, max_seq_len=1024
+    ),
+    # Depth stress test for compile: the paper's depth at a tiny width.
+    "deep_debug": Flavor(
+        dim=64, n_layers=24, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512
+    ),
+    # SPEC §6: the paper's ~0.5B model (cl100k vocabulary).
+    "paper_0p5b": Flavor(
+        dim=1024, n_layers=24, n_heads=16, hidden_dim=2816, vocab_size=100277, max_seq_len=2048
+    ),
+}
+
+_INIT = {"weight": partial(nn.init.normal_, std=0.02)}
+# Embedding and head rows are padded to a multiple of this (the padded logits are masked), so
+# every tensor-parallel degree dividing it (1, 2, 4, ..., 64) shards the vocabulary evenly and a
+# checkpoint has the same shapes under every layout. cl100k: 100,277 -> 100,288 rows.
+VOCAB_MULTIPLE = 64
+DEFAULT_BLOCKS = 8
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return f"the default ({DEFAULT_BLOCKS})"
+
+
+UNSET = _Unset()  # ``blocks`` not given: DEFAULT_BLOCKS, unless ``block_layers`` is
+
+
+def _check_choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{field} must be one of {list(allowed)}, got {value!r}")
+
+
+def build_model_config(
+    flavor: str | Flavor,
+    *,
+    variant: str = "sliced",
+    blocks: int | None | _Unset = UNSET,
+    block_layers: int | None = None,
+    rank: int = 64,
+    eps: float | None = None,
+    depth_backend: str = "auto",
+    attn_backend: str = "auto",
+    vocab_size: int | None = None,
+    vocab_multiple: int = VOCAB_MULTIPLE,
+) -> LRAttnResModel.Config:
+    """The model config; every bad field fails here with the field and its allowed range.
+
+    Block AttnRes by count (``blocks=N``, default 8; None = Full) or by size in layers
+    (``block_layers=k``: a block end every 2k sublayers, the last block partial), not both.
+    """
+    if isinstance(flavor, str):
+        _check_choice("flavor", flavor, FLAVORS)
+        flavor = FLAVORS[flavor]
+    _check_choice("variant", variant, VARIANTS)
+    _check_choice("depth_backend", depth_backend, BACKENDS)
+    d, n_layers, m = flavor.dim, flavor.n_layers, 2 * flavor.n_layers
+    if block_layers is not None and blocks is not UNSET:
+        raise ValueError(
+            f"give blocks (a count, got {blocks!r}) or block_layers (a size in layers, got "
+            f"{block_layers!r}), not both"
+        )
+    if blocks is UNSET:
+        blocks = DEFAULT_BLOCKS if block_layers is None else None
+    if variant == "baseline":  # no routing: blocks and rank do not apply
+        blocks = block_layers = None
+    elif blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
+        raise ValueError(f"blocks must be None (Full) or an int in [1, {m}] (= 2L), got {blocks!r}")
+    elif block_layers is not None and not (
+        isinstance(block_layers, int) and 1 <= block_layers <= n_layers
+    ):
+        raise ValueError(
+            f"block_layers must be an int in [1, {n_layers}] (= L), got {block_layers!r}"
+        )
+    r = d if variant == "attnres" else rank
+    if variant in ("sliced", "projected") and not (isinstance(rank, int) and 1 <= rank <= d):
+        raise ValueError(f"rank must be an int in [1, {d}] (= d), got {rank!r}")
+    vocab = vocab_size or flavor.vocab_size
+    if vocab < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab}")
+    if not (isinstance(vocab_multiple, int) and vocab_multiple >= 1):
+        raise ValueError(f"vocab_multiple must be an int >= 1, got {vocab_multiple!r}")
+    rows = -(-vocab // vocab_multiple) * vocab_multiple  # embedding / head rows
+    if attn_backend == "auto":
+        attn_backend = "flex" if torch.cuda.is_available() else "sdpa"
+    # SDPA (causal only) is the CPU path: FlexAttention has no CPU backward.
+    inner = (
+        ScaledDotProductAttention.Config()
+        if attn_backend == "sdpa"
+        else get_attention_config(attn_backend)
+    )
+    head_dim = d // flavor.n_heads
+    key_rank = rank if variant == "projected" else 0
+
+    def norm() -> RMSNorm.Config:  # one object per module: TP/SP give them different layouts
+        return RMSNorm.Config(normalized_shape=d, elementwise_affine=False)
+
+    rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=flavor.max_seq_len, theta=500000.0)
+    layers = []
+    for _ in range(n_layers):
+        attention = make_gqa_config(
+            dim=d,
+            n_heads=flavor.n_heads,
+            wqkv_param_init=_INIT,
+            wo_param_init=_INIT,
+            inner_attention=inner,
+            rope=rope,
+            fuse_qkv=True,
+            qk_norm=RMSNorm.Config(normalized_shape=head_dim, elementwise_affine=False),
+        )
+        ffn = make_ffn_config(
+            dim=d, hidden_dim=flavor.hidden_dim, w1_param_init=_INIT, w2w3_param_init=_INIT
+        )
+        if key_rank:  # one fused [W^O; W^K] weight, a torchtitan Linear (float8-convertible)
+            attention.wo = Linear.Config(in_features=d, out_features=d + key_rank, param_init=_INIT)
+            ffn.w2 = Linear.Config(
+                in_features=flavor.hidden_dim, out_features=d + key_rank, param_init=_INIT
+            )
+        layers.append(
+            Sublayer.Config(dim=d, norm=norm(), attention=attention, key_rank=key_rank, key_eps=eps)
+        )
+        layers.append(
+            Sublayer.Config(dim=d, norm=norm(), feed_forward=ffn, key_rank=key_rank, key_eps=eps)
+        )
+    router = DepthRouter.Config(
+        variant=variant,
+        dim=d,
+        rank=r,
+        num_sublayers=m,
+        blocks=blocks,
+        block_layers=block_layers,
+        eps=eps,
+        backend=depth_backend,
+        param_init=dict.fromkeys(query_names(m), nn.init.zeros_),  # uniform reads
+        embedding_key=(
+            Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
+            if variant == "projected"
+            else None
+        ),
+    )
+    return LRAttnResModel.Config(
+        dim=d,
+        vocab_size=vocab,
+        hidden_dim=flavor.hidden_dim,
+        tok_embeddings=Embedding.Config(num_embeddings=rows, embedding_dim=d, param_init=_INIT),
+        norm=norm(),
+        lm_head=VocabHead.Config(
+            in_features=d, out_features=rows, vocab_size=vocab, param_init=_INIT
+        ),
+        layers=layers,
+        router=router,
+    )
+
+
+def model_registry(flavor: str, *, converters=None, **kwargs) -> ModelSpec:
+    """ModelSpec for ``flavor`` with ``variant`` in baseline / attnres / sliced / projected,
+    ``blocks`` (None = Full), ``rank``, ``eps``, ``depth_backend``, ``attn_backend``,
+    ``vocab_size``, ``vocab_multiple``."""
+    config = build_model_config(flavor, **kwargs)
+    if converters is not None:
+        for c in converters:
+            config = c.build().convert(config)
+    return ModelSpec(
+        name="lrattnres",
+        flavor=flavor,
+        model=config,
+        parallelize_fn=parallelize_llama,
+        pipelining_fn=pipeline_lrattnres,
+        post_optimizer_build_fn=None,
+        state_dict_adapter=None,
+    )

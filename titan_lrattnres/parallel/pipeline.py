@@ -1,0 +1,272 @@
+"""Pipeline parallel: stage plans, the stage forward, and the cross-stage source cache.
+
+``pipeline_lrattnres`` is the model spec's ``pipelining_fn``: torchtitan's ``pipeline_llm``
+(its stage split, ``PipelineStage`` and schedules) with three additions.
+
+- **Ownership.** Every stage keeps the ``router``, pruned to what it owns: the queries of its
+  own read sites (``router.query_<t>``, one parameter per site) and, on the first stage only,
+  the projected embedding key. A checkpoint saved by any split therefore holds every parameter
+  exactly once, and loads in one process.
+- **The stage forward** (:class:`LRAttnResStage`). A stage boundary after sublayer c carries the
+  depth state a later read needs, as a tuple whose layout is fixed by the static block schedule:
+  ``h_c`` (the read of site c), the running partial of the current block when c is no block end
+  (and its key), then the completed sources -- the embedding and block sums -- the receiving rank
+  does not hold yet (values; projected: each with its key). Everything sent is contiguous. The
+  receiver rebuilds the state and recomputes phase 1 (the batched read of the completed
+  sources) for its own sites of the current block.
+- **The cross-stage source cache** (:class:`SourceCache`). With several stages per rank
+  (Interleaved1F1B, LoopedBFS), a rank keeps the sources its earlier stage already received or
+  produced, and a hop into a later stage on that rank ships only the blocks completed since.
+  The later stage reads the cached sources through detached leaves; their gradients are handed
+  to the earlier stage's backward by a pass-through node on its output (:class:`_Tap`), so every
+  source's gradient reaches its producer exactly once, and no backward runs through another
+  stage's graph (the "backward through the graph a second time" of naive caching).
+
+Schedules: 1F1B, GPipe, Interleaved1F1B and LoopedBFS. The zero-bubble schedules compute input
+gradients with ``autograd.grad`` over the received tensors only, which does not reach the
+cache's leaves: they are refused (README "Parallelism").
+
+The static plan (stage spans, hops, schedules) is :mod:`titan_lrattnres.parallel.pipeline_plan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict, deque
+
+import torch
+
+from custom_ops.schedule import schedule_ends
+from titan_lrattnres.model.depth import DepthState, query_name
+from titan_lrattnres.model.model import LRAttnResModel
+from titan_lrattnres.parallel.pipeline_plan import (
+    StagePlan,
+    check_schedule,
+    plan_stages,
+    stage_spans,
+)
+
+
+# -- the cache ------------------------------------------------------------------------------------
+class _Slot:
+    """One microbatch's sources deposited by one stage, and the leaves its reader made."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+        self.leaves: list[torch.Tensor] | None = None
+
+    def take(self) -> list[torch.Tensor]:
+        self.leaves = [t.detach().requires_grad_(t.requires_grad) for t in self.tensors]
+        self.tensors = []
+        return self.leaves
+
+
+class _Tap(torch.autograd.Function):
+    """Identity on ``h``; its backward gives each deposited source the gradient the later stage
+    accumulated into its leaf (that stage's backward has run: it is downstream)."""
+
+    @staticmethod
+    def forward(ctx, slot: _Slot, h: torch.Tensor, *sources: torch.Tensor):
+        ctx.slot, ctx.n = slot, len(sources)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        leaves = ctx.slot.leaves
+        grads = [leaf.grad for leaf in leaves] if leaves is not None else [None] * ctx.n
+        ctx.slot.leaves = None
+        return None, grad_h, *grads
+
+
+class SourceCache:
+    """Per rank: the sources each stage deposits, one FIFO per depositing stage (every schedule
+    runs a stage's microbatches in order, and a later stage on the rank after its earlier one)."""
+
+    def __init__(self):
+        self.slots: dict[int, deque[_Slot]] = defaultdict(deque)
+
+    def put(self, stage: int, tensors: list[torch.Tensor]) -> _Slot:
+        slot = _Slot(tensors)
+        self.slots[stage].append(slot)
+        return slot
+
+    def take(self, stage: int) -> list[torch.Tensor]:
+        if not self.slots[stage]:
+            raise RuntimeError(f"source cache: stage {stage} deposited nothing for this microbatch")
+        return self.slots[stage].popleft().take()
+
+    def reset(self) -> None:
+        self.slots.clear()
+
+    def check_drained(self) -> None:
+        left = {s: len(q) for s, q in self.slots.items() if q}
+        if left:
+            raise RuntimeError(f"source cache: deposits never read (stage: count) {left}")
+
+
+# -- the stage forward ----------------------------------------------------------------------------
+class LRAttnResStage(LRAttnResModel):
+    """One pipeline stage of the model (its class is set by :func:`attach`)."""
+
+    plan: StagePlan
+    cache: SourceCache
+
+    def forward(self, *inputs, positions=None, attention_masks=None):
+        router, plan = self.router, self.plan
+        if plan.recv is None:
+            (tokens,) = inputs
+            state = router.start(self.tok_embeddings(tokens))
+            h = state.embedding
+        else:
+            h, state = self._receive(inputs)
+        for key, layer in self.layers.items():
+            h = router.step(state, int(key) + 1, layer(h, attention_masks, positions))
+        if plan.send is None:
+            h = self.norm(h)
+            return h if self._skip_lm_head else self.lm_head(h)
+        return self._send(state, h)
+
+    def _receive(self, inputs: tuple) -> tuple[torch.Tensor, DepthState]:
+        router, hop = self.router, self.plan.recv
+        if len(inputs) != hop.tensors(router.projected, router.variant == "baseline"):
+            raise RuntimeError(f"stage {self.plan.index}: {len(inputs)} inputs, plan {hop}")
+        it = iter(inputs)
+        h = next(it)
+        if router.variant == "baseline":
+            return h, DepthState(embedding=None, running=h)
+        partial = next(it) if hop.partial else None
+        partial_key = next(it) if hop.partial and router.projected else None
+        values, keys = [], []
+        if hop.first_source:
+            cached = self.cache.take(self.plan.take_from)
+            values = cached[: hop.first_source]
+            keys = cached[hop.first_source :] if router.projected else [None] * len(values)
+        for _ in range(hop.first_source, hop.n_sources):
+            values.append(next(it))
+            keys.append(next(it) if router.projected else None)
+        state = DepthState(
+            embedding=values[0],
+            embedding_key=keys[0],
+            values=values[1:],
+            keys=keys[1:],
+            partial=partial,
+            partial_key=partial_key,
+        )
+        if router.backend != "reference":  # phase 1 of the current block, for this stage's sites
+            last_end = max((e for e in router.ends if e <= hop.cut), default=0)
+            router._phase1(state, last_end, first=hop.cut + 1)
+        return h, state
+
+    def _send(self, state: DepthState, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        router, plan, hop = self.router, self.plan, self.plan.send
+        if router.variant == "baseline":
+            return (h.contiguous(),)
+        values = [state.embedding, *state.values]
+        keys = [state.embedding_key, *state.keys]
+        if len(values) != hop.n_sources:
+            raise RuntimeError(f"stage {plan.index}: {len(values)} sources, plan {hop}")
+        out = []
+        if hop.partial:
+            out.append(state.partial)
+            if router.projected:
+                out.append(state.partial_key)
+        for i in range(hop.first_source, hop.n_sources):
+            out.append(values[i])
+            if router.projected:
+                out.append(keys[i])
+        if plan.deposit:
+            deposit = values + keys if router.projected else values
+            h = _Tap.apply(self.cache.put(plan.index, deposit), h, *deposit)
+        return tuple(t.contiguous() for t in (h, *out))
+
+
+def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:
+    """Make ``model`` (a stage's split copy) the stage ``plan``: prune the router to the stage's
+    own parameters and switch to the stage forward."""
+    router = model.router
+    if router.variant != "baseline":
+        for t in range(1, router.num_sublayers + 1):
+            if not plan.first <= t <= plan.last:
+                delattr(router, query_name(t))
+    if plan.recv is not None:
+        router.embedding_key = None
+    router.site_stop = plan.last + 1
+    model.__class__ = LRAttnResStage
+    model.plan, model.cache = plan, cache
+
+
+# -- torchtitan's pipelining_fn -------------------------------------------------------------------
+def _module_names(parallel_dims, parallelism, model_config) -> list[list[str]]:
+    from torchtitan.distributed import pipeline_parallel as pp
+
+    if parallelism.module_fqns_per_model_part is not None:
+        return [list(names) for names in parallelism.module_fqns_per_model_part]
+    stages, layers, input_weight, output_weight = pp._get_pipeline_metadata(
+        parallel_dims, parallelism, model_config
+    )
+    return pp._generate_llm_fqn_per_model_part(stages, layers, input_weight, output_weight)
+
+
+def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, parallelize_fn, **kw):
+    """``pipeline_llm`` for LR-AttnRes (see the module docstring); same arguments and return."""
+    from torchtitan.distributed import pipeline_parallel as pp
+
+    check_schedule(parallelism.pipeline_parallel_schedule)
+    if parallelism.pipeline_parallel_schedule_csv:
+        raise NotImplementedError("LR-AttnRes pipeline parallel does not take a schedule CSV")
+    names = _module_names(parallel_dims, parallelism, model_config)
+    spans = stage_spans(names, len(model_config.layers))
+    degree, schedule = parallel_dims.pp, parallelism.pipeline_parallel_schedule
+    ranks = [0] * len(names)
+    for r in range(degree):
+        for s in pp._get_pp_rank_to_stage_indices_mapping(r, degree, schedule, len(names)):
+            ranks[s] = r
+    router = model_config.router
+    ends = schedule_ends(router.num_sublayers, router.blocks, router.block_layers)
+    plans = {(p.first, p.last): p for p in plan_stages(spans, ranks, ends)}
+    cache = SourceCache()
+
+    def parallelize_stage(part, **kwargs):
+        sites = [int(k) + 1 for k in part.layers.keys()]
+        attach(part, plans[(min(sites), max(sites))], cache)
+        return parallelize_fn(part, **kwargs)
+
+    with_router = [[*n, "router"] for n in names]
+    parallelism = dataclasses.replace(parallelism, module_fqns_per_model_part=with_router)
+    schedule_, parts, has_first, has_last = pp.pipeline_llm(
+        model,
+        parallel_dims=parallel_dims,
+        parallelism=parallelism,
+        model_config=model_config,
+        parallelize_fn=parallelize_stage,
+        **kw,
+    )
+    step = schedule_._step_microbatches
+
+    def step_with_cache(*args, **kwargs):
+        cache.reset()
+        out = step(*args, **kwargs)
+        cache.check_drained()
+        return out
+
+    schedule_._step_microbatches = step_with_cache
+    # torch runs the stages once on the first step to infer shapes, the loss included: a loss
+    # that keeps statistics (titan_lrattnres.components.zloss) is told to leave those calls out
+    init, losses = getattr(schedule_, "_initialize_pp_stages", None), []
+    loss = kw.get("loss_fn")
+    while loss is not None:  # the loss and the losses it wraps (e.g. ChunkedLossWrapper's)
+        losses.append(loss)
+        loss = getattr(loss, "loss_fn", None)
+    if init is not None:
+
+        def init_stages(*args, **kwargs):
+            for loss in losses:
+                loss.in_shape_inference = True
+            try:
+                return init(*args, **kwargs)
+            finally:
+                for loss in losses:
+                    loss.in_shape_inference = False
+
+        schedule_._initialize_pp_stages = init_stages
+    return schedule_, parts, has_first, has_last

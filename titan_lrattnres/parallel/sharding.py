@@ -1,0 +1,105 @@
+"""Sharding declarations for the spmd_types backend (every parameter must be declared).
+
+Tensor parallel follows torchtitan's llama3 plan for the stock submodules: ``wqkv``, ``w1``,
+``w3`` column-sharded, ``wo``, ``w2`` (the projected ``[W^O; W^K]`` included: its rows are the
+output dim, sharding is on the input dim) row-sharded, the head vocabulary-sharded.
+
+Between sublayers the depth state (embedding, block sums, partial, keys) and every read live in
+the activation layout: with sequence parallel (SP) sequence shards, without SP replicated
+(invariant). The depth read is per token, so it runs on either unchanged; the router's
+parameters are then declared the way torchtitan declares norm weights: ``I`` on TP without SP
+(each rank computes the same full gradient), ``R`` with SP (each rank's gradient covers its own
+tokens; the partial sums are reduced over TP). Context and pipeline parallel are refused in
+``LRAttnResModel.Config.update_from_config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import spmd_types as spmd
+from torchtitan.components.loss import CrossEntropyLoss
+from torchtitan.models.common.decoder_sharding import (
+    dense_activation_placement,
+    dense_param_placement,
+    dense_sequence_parallel_placement,
+    norm_config,
+    set_decoder_sharding_config,
+    set_dense_ffn_sharding,
+    set_gqa_attention_sharding,
+    set_gqa_inner_attention_local_map,
+)
+from torchtitan.protocols.sharding import ShardingConfig
+
+from titan_lrattnres.model.depth import query_names
+from titan_lrattnres.parallel import op_sharding  # noqa: F401  (DTensor rules for the lrattnres:: ops)
+
+
+def _router_params(*names: str, enable_sp: bool) -> ShardingConfig:
+    tp = spmd.R if enable_sp else spmd.I
+    return ShardingConfig(state_shardings={n: dense_param_placement(tp=tp) for n in names})
+
+
+def set_sharding_config(config, *, enable_sp: bool) -> None:
+    """Declare every module's states and activation layouts (``enable_sp``: sequence parallel,
+    only meaningful with a TP degree > 1)."""
+    set_decoder_sharding_config(config, enable_sp=enable_sp)
+    activation = (
+        dense_sequence_parallel_placement() if enable_sp else dense_activation_placement(tp=spmd.I)
+    )
+    for layer in config.layers:
+        layer.norm.sharding_config = norm_config(enable_sp=enable_sp)
+        if layer.attention is not None:
+            set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp)
+            set_gqa_inner_attention_local_map(layer.attention.inner_attention)
+        else:
+            set_dense_ffn_sharding(
+                layer.feed_forward, attn_x_layout=activation, enable_sp=enable_sp
+            )
+    router = config.router
+    if router.variant != "baseline":
+        queries = query_names(router.num_sublayers)
+        router.sharding_config = _router_params(*queries, enable_sp=enable_sp)
+    if router.embedding_key is not None:
+        router.embedding_key.sharding_config = _router_params("weight", enable_sp=enable_sp)
+
+
+def _loss_configs(loss):
+    """Every ``CrossEntropyLoss.Config`` inside a (wrapped) loss config."""
+    if isinstance(loss, CrossEntropyLoss.Config):
+        yield loss
+    if dataclasses.is_dataclass(loss):
+        for f in dataclasses.fields(loss):
+            yield from _loss_configs(getattr(loss, f.name, None))
+
+
+def set_tensor_parallel(config, trainer_config, tp: int) -> None:
+    """Checks for a TP degree ``tp`` > 1, and the loss's vocabulary = the head's (padded) rows.
+
+    The loss-parallel cross-entropy takes the global logit width: the padded rows (masked by
+    the head, so the loss is unchanged) count."""
+    attn = config.first_attention
+    rows = config.lm_head.out_features
+    checks = {
+        "n_heads": attn.n_heads,
+        "n_kv_heads": attn.n_kv_heads or attn.n_heads,
+        "hidden_dim": config.hidden_dim,
+        f"the padded vocabulary (vocab_size {config.vocab_size} padded to a multiple of the "
+        "model's vocab_multiple)": rows,
+    }
+    for what, n in checks.items():
+        if n % tp:
+            raise ValueError(f"parallelism.tensor_parallel_degree={tp} must divide {what} = {n}")
+    loss = getattr(trainer_config, "loss", None)
+    for ce in _loss_configs(loss):
+        ce.global_vocab_size = rows
+    if loss is not None and not any(True for _ in _loss_configs(loss)):
+        inner = loss
+        while getattr(inner, "loss_fn", None) is not None:  # e.g. ChunkedLossWrapper
+            inner = inner.loss_fn
+        raise NotImplementedError(
+            f"tensor parallel needs a vocabulary-parallel loss (each rank holds a vocabulary "
+            f"shard of the logits); {type(inner).__qualname__.removesuffix('.Config')} is not "
+            "one: use CrossEntropyLoss (torchtitan's loss-parallel cross-entropy), or set "
+            "parallelism.tensor_parallel_degree=1"
+        )

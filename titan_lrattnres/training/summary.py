@@ -1,0 +1,112 @@
+"""Run summary: ``summary.json`` and ``loss.png`` in the run folder (``--dump_folder``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+
+
+def _corpus_stats(dataset: str) -> dict:
+    if not dataset.startswith("stdlib_py"):
+        return {}
+    from titan_lrattnres.components.data import load_manifest
+
+    m = load_manifest()
+    if not m:
+        return {}
+    return {
+        "corpus": "stdlib_py",
+        "corpus_content_hash": m["content_hash"],
+        "python_version": m["python_version"],
+        "unigram_entropy": m["unigram_entropy_train"],
+        "unigram_ce_val": m["unigram_ce_val"],
+    }
+
+
+def build_summary(trainer) -> dict:
+    cfg = trainer.config
+    spec = cfg.model_spec
+    router = spec.model.router
+    hist, val = trainer.history, trainer.val_history
+    wall = time.perf_counter() - trainer._t0
+    train_wall = (time.perf_counter() - trainer._train_t0) if trainer._train_t0 else None
+    # Training throughput spans the logged steps only: from the first step's log (its compile
+    # excluded) to the last one's, so the final save and validation (whose eval-mode compile
+    # differs by variant) stay out of it; the _wall figure keeps them in.
+    steps_wall = hist[-1]["time_s"] - hist[0]["time_s"] if len(hist) > 1 else None
+    tokens = hist[-1]["tokens"] if hist else trainer.ntokens_seen
+    first_tokens = hist[0]["tokens"] if hist else 0
+    tail = [h["loss"] for h in hist[-10:]]
+    return {
+        "config": getattr(cfg, "run_name", ""),
+        "flavor": spec.flavor,
+        "variant": router.variant,
+        "blocks": router.blocks,
+        "block_layers": router.block_layers,
+        "rank": router.rank,
+        "vocab_size": spec.model.vocab_size,  # the real vocabulary (the head's rows are padded)
+        "eps": router.eps,
+        "depth_backend": router.backend,
+        "steps": trainer.step,
+        "tokens": tokens,
+        "seq_len": cfg.training.seq_len,
+        "local_batch_size": cfg.training.local_batch_size,
+        "final_train_loss": hist[-1]["loss"] if hist else None,
+        "final_train_loss_mean_last10": sum(tail) / len(tail) if tail else None,
+        "final_val_loss": val[-1]["loss"] if val else None,
+        "val_history": val,
+        **_corpus_stats(cfg.dataloader.dataset),
+        "tokens_per_s": (tokens - first_tokens) / steps_wall if steps_wall else None,
+        "tokens_per_s_wall": (tokens - first_tokens) / train_wall if train_wall else None,
+        "wall_time_s": wall,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "compile": cfg.compile.enable,
+        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+    }
+
+
+def plot_loss(trainer, path: str, title: str, unigram_entropy: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if trainer.history:
+        ax.plot(
+            [h["step"] for h in trainer.history],
+            [h["loss"] for h in trainer.history],
+            label="train",
+            lw=1,
+        )
+    if trainer.val_history:
+        ax.plot(
+            [v["step"] for v in trainer.val_history],
+            [v["loss"] for v in trainer.val_history],
+            "o",
+            label="validation",
+        )
+    if unigram_entropy is not None:
+        ax.axhline(unigram_entropy, ls="--", c="gray", lw=1, label="unigram entropy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_summary(trainer) -> dict:
+    folder = trainer.config.dump_folder
+    os.makedirs(folder, exist_ok=True)
+    summary = build_summary(trainer)
+    with open(os.path.join(folder, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    with open(os.path.join(folder, "loss_history.json"), "w") as f:
+        json.dump(trainer.history, f)
+    title = f"{summary['config'] or summary['flavor']} ({summary['variant']})"
+    plot_loss(trainer, os.path.join(folder, "loss.png"), title, summary.get("unigram_entropy"))
+    return summary
