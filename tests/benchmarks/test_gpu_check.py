@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from titan_lrattnres import data
+from titan_lrattnres.components import data
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "benchmarks" / "torch_compat"
