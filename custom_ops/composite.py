@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import torch
 
-NORM_EPS = torch.finfo(torch.float32).eps
+from custom_ops.reference import DEFAULT_EPS
+
+NORM_EPS = DEFAULT_EPS  # the eps of RMSNorm(h): the key norm's default
 _HUGE = 2.0**40  # rows holding an entry at least this large are rescaled before any square
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+# custom_ops' one fp32 norm eps (the keys' default, the merge's RMSNorm(h)); others import it
 DEFAULT_EPS = torch.finfo(torch.float32).eps
 
 

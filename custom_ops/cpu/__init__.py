@@ -1,18 +1,11 @@
-"""Fused CPU kernels of the depth read: ``depth_read.c``, built on first use, called via ctypes.
+"""Fused CPU kernels of the depth read: ``depth_read.c``, compiled on first use, called via ctypes.
 
-Same contracts as ``custom_ops.composite`` (query bank ``[C, r]``, fp32 results shaped
-``[C, ...]``), one pass per token over its rows: each value row is read once in the forward and
-once in the backward, where the eager composite makes C·S whole-tensor passes plus temporaries.
-Tokens are split over ``torch.get_num_threads()`` OpenMP threads of the libgomp torch has
-already loaded (the library links ``libgomp.so.1``, which resolves to torch's copy): the kernels
-share torch's thread pool instead of competing with its spinning workers.
-
-Scope: fp32 tensors on CPU whose rows have unit column stride (other layouts are copied, kept
-alive for the call). Every function returns None when it cannot serve the call (another dtype
-or device, or no C compiler): the caller then uses the eager composite. The library is compiled
-with the system C compiler into ``$LRATTNRES_CPU_CACHE`` (default
-``~/.cache/titan-lrattnres/cpu-kernels``), keyed by the source's hash; ``ENABLED = False`` turns
-the kernels off (tests compare both paths).
+They compute ``custom_ops.composite``'s functions for fp32 CPU tensors in one pass per token over
+its rows, on the OpenMP runtime torch has loaded (checked at load), sharing its thread pool. A
+function returns None when it cannot serve a call (another dtype or device, no compiler, a refused
+library): the caller runs the composite. C is reached only through ``call``: arguments by name in
+the order of ``SIGNATURES`` (checked against the C definitions at load), every address taken from
+a checked fp32 CPU tensor, so that a slip raises instead of corrupting memory.
 """
 
 from __future__ import annotations
@@ -22,6 +15,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -30,21 +24,20 @@ from pathlib import Path
 
 import torch
 
+from custom_ops.cpu.calls import SIGNATURES, At, call, check_signatures
 from custom_ops.layout import rows
+from custom_ops.reference import DEFAULT_EPS
 
+# LRATTNRES_CPU_KERNELS=0 (or ENABLED = False): every call left to the composite
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
-NORM_EPS = torch.finfo(torch.float32).eps
+NORM_EPS = DEFAULT_EPS  # the eps of the merge's RMSNorm(h): the key norm's default
 _SOURCE = Path(__file__).with_name("depth_read.c")
 ABI = 3  # lrattnres_cpu_abi() of a library this wrapper can call
 _MIN_TOKENS_PER_THREAD = 64
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_N = ctypes.c_int
-_SIGNATURES = {  # the last argument is the thread count
-    "read_fwd": [_I] * 5 + [_N] + [_P] * 5 + [_D] + [_P] * 2 + [_N],
-    "read_bwd": [_I] * 5 + [_N] + [_P] * 5 + [_D] + [_P] * 6 + [_N],
-    "merge_fwd": [_I] * 3 + [_P, _I, _P, _P, _I, _P, _I, _P, _D, _D, _P, _P, _N],
-    "merge_bwd": [_I] * 3 + [_N, _P, _I, _P, _P, _I, _P, _I, _P, _D, _D] + [_P] * 8 + [_N],
-}
+
+
+# An OpenMP runtime's file name: GNU (libgomp, also as a wheel's libgomp-<hash>), Intel, LLVM
+_OPENMP = re.compile(r"lib(?:gomp|iomp5|omp)(?:-[0-9a-f]+)?\.so(?:\.[0-9]+)*")
 
 
 def _cache_dir() -> Path:
@@ -81,8 +74,10 @@ def library():
 
 def build(source: Path):
     """Compile the C file ``source`` (cached by its hash and this CPU) and load it; None, with
-    one warning, when there is no compiler or the build fails. ``library()`` builds this
-    package's own ``depth_read.c``; ``benchmarks.cpu_kernels`` builds other revisions of it."""
+    one warning, when there is no compiler, the build fails, the library would bring a second
+    OpenMP runtime or speaks another ABI; RuntimeError when ``SIGNATURES`` does not match its
+    functions. ``library()`` builds this package's own ``depth_read.c``;
+    ``benchmarks.cpu_kernels`` builds other revisions of it."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         warnings.warn("no C compiler: the CPU depth read runs the eager composite", stacklevel=2)
@@ -108,7 +103,16 @@ def build(source: Path):
                 )
                 return None
             os.replace(out, path)  # atomic: a concurrent build never loads a half-written file
+    before = _openmp_runtimes()
     lib = ctypes.CDLL(str(path))
+    # Seen in /proc/self/maps after the load (what the linker did); warned, not raised: same maths
+    if before and (second := _openmp_runtimes() - before):
+        warnings.warn(
+            f"{path.name} brought a second OpenMP runtime ({', '.join(sorted(second))}) beside "
+            f"torch's ({', '.join(sorted(before))}): the CPU depth read runs the eager composite",
+            stacklevel=2,
+        )
+        return None
     abi = getattr(lib, "lrattnres_cpu_abi", None)
     if abi is None or abi() != ABI:
         warnings.warn(
@@ -117,10 +121,24 @@ def build(source: Path):
             stacklevel=2,
         )
         return None
-    for name, args in _SIGNATURES.items():
-        getattr(lib, name).argtypes = args
+    check_signatures(source.read_text(), source.name)
+    for name, params in SIGNATURES.items():
+        getattr(lib, name).argtypes = [ctype for _, ctype in params]
         getattr(lib, name).restype = None
     return lib
+
+
+def _openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes mapped into this process (empty without /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {parts[5].strip() for line in f if len(parts := line.split(None, 5)) == 6}
+    except OSError:
+        return set()
+    return {p for p in paths if _OPENMP.fullmatch(os.path.basename(p))}
+
+
+# ----------------------------------------------------------------------------- the entry points
 
 
 def _threads(n: int) -> int:
@@ -131,39 +149,32 @@ def _usable(*tensors) -> bool:
     return ENABLED and all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in tensors)
 
 
-def _table(tensors, ctype):
-    return (ctype * len(tensors))(*tensors)
+def _empty(shape) -> torch.Tensor:
+    """An fp32 CPU buffer, whatever torch's default dtype and device."""
+    return torch.empty(shape, dtype=torch.float32, device="cpu")
 
 
 def _rows(x):
-    """``(tensor, address, row stride)`` of ``rows(x)``; the tensor keeps a copy alive. A
-    contiguous x is passed as it is: a view is a dispatcher call, ~10 µs, several times that
-    between a training step's matmuls, and each op here would otherwise make several."""
+    """``(tensor, row stride)`` of ``rows(x)``; the tensor keeps a copy alive. A contiguous x is
+    passed as it is: a view is a dispatcher call, ~10 µs, several times that between a training
+    step's matmuls, and each op here would otherwise make several."""
     if x.is_contiguous():
-        return x, x.data_ptr(), x.shape[-1]
+        return x, x.shape[-1]
     x2 = rows(x)
-    return x2, x2.data_ptr(), x2.stride(0)
+    return x2, x2.stride(0)
 
 
 def _flat(x):
-    """``(tensor, address)`` of x's elements in row-major order (None: (None, None))."""
-    if x is None:
-        return None, None
-    x = x.contiguous()
-    return x, x.data_ptr()
+    """x's elements in row-major order (None: None)."""
+    return None if x is None else x.contiguous()
 
 
-def _sources(values, keys):
-    """Rows (kept alive by the caller) and the ctypes pointer / stride tables."""
+def _sources(values, keys) -> dict:
+    """The read kernels' source arguments: value and key rows (keys None: the values')."""
     v2 = [_rows(v) for v in values]
     k2 = v2 if keys is None else [_rows(k) for k in keys]
-    tables = (
-        _table([v[1] for v in v2], _P),
-        _table([v[2] for v in v2], _I),
-        _table([k[1] for k in k2], _P),
-        _table([k[2] for k in k2], _I),
-    )
-    return (v2, k2), tables
+    return dict(vp=[v for v, _ in v2], vs=[s for _, s in v2], kp=[k for k, _ in k2],
+                ks=[s for _, s in k2])  # fmt: skip
 
 
 def read_fwd(values, keys, queries, eps: float):
@@ -171,30 +182,25 @@ def read_fwd(values, keys, queries, eps: float):
     if not _usable(*values, *(keys or ()), queries) or (lib := library()) is None:
         return None
     lead, d = values[0].shape[:-1], values[0].shape[-1]
-    q, q_ptr = _flat(queries)
+    q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
-    kept, tables = _sources(values, keys)
-    out = torch.empty((nc, *lead, d), dtype=torch.float32)
-    lse = torch.empty((nc, *lead), dtype=torch.float32)
-    args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps),
-            out.data_ptr(), lse.data_ptr())  # fmt: skip
-    lib.read_fwd(*args, _threads(n))
-    del kept
+    out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
+    call(lib, "read_fwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
+         **_sources(values, keys), q=q, eps=float(eps), out=out, lse=lse,
+         threads=_threads(n))  # fmt: skip
     return out, lse
 
 
 def _per_query_rows(grad_out, nc: int, n: int, d: int):
-    """``(kept, table)``: the address of each query's ``[n, d]`` gradient, from one ``[C, ...,
-    d]`` tensor or from a sequence of C tensors (None entries: zero); table None when there is
-    no gradient at all."""
+    """Each query's ``[n, d]`` gradient, from one ``[C, ..., d]`` tensor or from a sequence of
+    C tensors (None entries: zero); None when there is no gradient at all."""
     if grad_out is None:
-        return None, None
+        return None
     if isinstance(grad_out, torch.Tensor):
-        g, ptr = _flat(grad_out)
-        return g, _table([ptr + 4 * c * n * d for c in range(nc)], _P)  # fp32: 4 bytes
-    flats = [_flat(g) for g in grad_out]
-    return flats, _table([p for _, p in flats], _P)
+        g = _flat(grad_out)
+        return [At(g, c * n * d) for c in range(nc)]
+    return [_flat(g) for g in grad_out]
 
 
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
@@ -206,35 +212,25 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
-    q, q_ptr = _flat(queries)
+    q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
-    kept, tables = _sources(values, keys)
-    (lse2, lse_ptr), (dlse, dlse_ptr) = _flat(lse), _flat(grad_lse)
-    dout, dout_table = _per_query_rows(grad_out, nc, n, d)
-    gv = [torch.empty(shape, dtype=torch.float32) for _ in values]
-    gk = None if keys is None else [torch.empty(k.shape, dtype=torch.float32) for k in keys]
-    threads = _threads(n)
-    dq = torch.empty((nc, rank), dtype=torch.float32)
-    args = (len(values), nc, n, d, rank, int(keys is None), *tables, q_ptr, float(eps), lse_ptr,
-            dout_table, dlse_ptr, _table([g.data_ptr() for g in gv], _P),
-            _table([g.data_ptr() for g in (gk or gv)], _P), dq.data_ptr())  # fmt: skip
-    lib.read_bwd(*args, threads)
-    del kept, lse2, dout, dlse
+    gv = [_empty(shape) for _ in values]
+    gk = None if keys is None else [_empty(k.shape) for k in keys]
+    dq = _empty((nc, rank))
+    call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
+         **_sources(values, keys), q=q, eps=float(eps), lse=_flat(lse),
+         dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
+         dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
 
 
-def _merge_inputs(out1, partial_value, partial_key, rank):
-    """Rows of the merge's operands: ``(kept, o1, pv, pk)``, each ``(address, row stride)``; pk
-    is the partial value's last ``rank`` columns when sliced."""
-    o1, pv = _rows(out1), _rows(partial_value)
-    if partial_key is None:
-        pk = (pv[1] + 4 * (partial_value.shape[-1] - rank), pv[2])  # fp32: 4 bytes
-        kept = (o1[0], pv[0])
-    else:
-        k = _rows(partial_key)
-        pk, kept = k[1:], (o1[0], pv[0], k[0])
-    return kept, o1[1:], pv[1:], pk
+def _merge_inputs(out1, partial_value, partial_key, rank) -> dict:
+    """The merge kernels' row arguments; the partial key is the partial value's last ``rank``
+    columns when sliced."""
+    (o1, o1s), (pv, pvs) = _rows(out1), _rows(partial_value)
+    pk, pks = (At(pv, pv.shape[-1] - rank), pvs) if partial_key is None else _rows(partial_key)
+    return dict(o1=o1, o1s=o1s, pv=pv, pvs=pvs, pk=pk, pks=pks)
 
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
@@ -242,15 +238,14 @@ def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_no
     if not _usable(out1, lse1, partial_value, partial_key, query) or (lib := library()) is None:
         return None
     shape, d = partial_value.shape, partial_value.shape[-1]
-    (q, q_ptr), (lse, lse_ptr) = _flat(query), _flat(lse1)
+    q, lse = _flat(query), _flat(lse1)
     rank, n = q.shape[-1], lse.numel()
-    kept, o1, pv, pk = _merge_inputs(out1, partial_value, partial_key, rank)
-    h = torch.empty(shape, dtype=torch.float32)
-    norm = torch.empty(shape, dtype=torch.float32) if emit_norm else h.new_empty(0)
-    args = (n, d, rank, *o1, lse_ptr, *pv, *pk, q_ptr, float(eps), NORM_EPS, h.data_ptr(),
-            norm.data_ptr() if emit_norm else None)  # fmt: skip
-    lib.merge_fwd(*args, _threads(n))
-    del kept
+    h = _empty(shape)
+    norm = _empty(shape) if emit_norm else h.new_empty(0)
+    call(lib, "merge_fwd", n=n, d=d, r=rank,
+         **_merge_inputs(out1, partial_value, partial_key, rank), lse1=lse, q=q,
+         eps=float(eps), norm_eps=NORM_EPS, h=h, norm=norm if emit_norm else None,
+         threads=_threads(n))  # fmt: skip
     return h, norm
 
 
@@ -262,18 +257,14 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = partial_value.shape, partial_value.shape[-1]
-    (q, q_ptr), (lse, lse_ptr) = _flat(query), _flat(lse1)
+    q, lse = _flat(query), _flat(lse1)
     rank, n = q.shape[-1], lse.numel()
-    kept, o1, pv, pk = _merge_inputs(out1, partial_value, partial_key, rank)
-    (h2, h_ptr), (gh, gh_ptr), (gn, gn_ptr) = map(_flat, (h, grad_h, grad_norm))
-    d_o1, d_pv = torch.empty(shape), torch.empty(shape)
-    d_lse = torch.empty(lse1.shape)
-    d_pk = None if partial_key is None else torch.empty(partial_key.shape)
-    threads = _threads(n)
-    dq = torch.empty(rank)
-    args = (n, d, rank, int(partial_key is None), *o1, lse_ptr, *pv, *pk, q_ptr, float(eps),
-            NORM_EPS, h_ptr, gh_ptr, gn_ptr, d_o1.data_ptr(), d_lse.data_ptr(), d_pv.data_ptr(),
-            None if d_pk is None else d_pk.data_ptr(), dq.data_ptr())  # fmt: skip
-    lib.merge_bwd(*args, threads)
-    del kept, h2, gh, gn
+    d_o1, d_pv, d_lse = _empty(shape), _empty(shape), _empty(lse1.shape)
+    d_pk = None if partial_key is None else _empty(partial_key.shape)
+    dq = _empty(rank)
+    call(lib, "merge_bwd", n=n, d=d, r=rank, sliced=int(partial_key is None),
+         **_merge_inputs(out1, partial_value, partial_key, rank), lse1=lse, q=q,
+         eps=float(eps), norm_eps=NORM_EPS, h=_flat(h), gh=_flat(grad_h), gn=_flat(grad_norm),
+         d_o1=d_o1, d_lse1=d_lse, d_pv=d_pv, d_pk=d_pk, dq=dq,
+         threads=_threads(n))  # fmt: skip
     return d_o1, d_lse, d_pv, d_pk, dq

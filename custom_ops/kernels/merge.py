@@ -13,8 +13,9 @@ import triton
 import triton.language as tl
 
 from custom_ops.kernels import common
+from custom_ops.reference import DEFAULT_EPS
 
-NORM_EPS = torch.finfo(torch.float32).eps
+NORM_EPS = DEFAULT_EPS  # the eps of RMSNorm(h): the key norm's default
 
 
 @triton.jit
