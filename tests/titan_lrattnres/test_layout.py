@@ -84,3 +84,10 @@ def test_command_runs_under_its_name(command):
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage" in (out.stdout + out.stderr).lower()
+
+
+def test_location_dependent_paths_point_at_the_repository(monkeypatch):
+    from titan_lrattnres.components import data
+
+    monkeypatch.delenv(data.CACHE_ENV, raising=False)
+    assert data.cache_dir() == PACKAGE.parent / "data_cache"

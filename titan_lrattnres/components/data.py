@@ -57,7 +57,7 @@ class CorpusError(RuntimeError):
 
 def cache_dir() -> Path:
     env = os.environ.get(CACHE_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "data_cache"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data_cache"
 
 
 def corpus_dir(cache: Path | None = None) -> Path:
