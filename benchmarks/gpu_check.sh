@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check (benchmarks/gpu_check.py says what it measures, against which targets, and how
-# it is sized to stay within 6 minutes on an H200). Runs the project's own model and Trainer on
-# the GPU image (Python 3.12, torch 2.11, no torchtitan, no network): the carried wheels
-# (benchmarks/prepare_wheels.sh -> wheels/) that are not installed go to a private folder on
-# PYTHONPATH, and on torch < 2.14 benchmarks/torch_compat/ (a sitecustomize) patches what
-# torchtitan 0.3.0 needs before anything imports it.
+# it is sized to stay within 6 minutes on an H200; docs/gpu-check.md says how to run it). Runs the
+# project's own model and Trainer on one GPU, with the project's environment or without
+# torchtitan and network (tested with Python 3.12, torch 2.11, triton 3.6): the wheels in wheels/
+# (benchmarks/prepare_wheels.sh) that are not installed go to a private folder on PYTHONPATH,
+# and on torch < 2.14 benchmarks/torch_compat/ (a sitecustomize) patches what torchtitan 0.3.0
+# needs before anything imports it.
 #   benchmarks/gpu_check.sh [JSON_PATH] [--dry-run] [--sections a,b,...]
 #   (--dry-run: tiny shapes on CPU, every section, under a minute)
 set -euo pipefail
@@ -16,7 +17,7 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"
 # Everything below, pip included, within 6 minutes; the Python side gets the end as a deadline.
 export GPU_CHECK_END=$(($(date +%s) + 345))
 
-# Wheels whose distribution is missing (any version present counts: never shadow the image's).
+# Wheels whose distribution is missing (any version present counts: never shadow an installed one).
 if compgen -G "wheels/*.whl" >/dev/null; then
   missing=$("$PY" - wheels/*.whl <<'EOF'
 import importlib.metadata, os, sys

@@ -1,12 +1,12 @@
-"""torchtitan 0.3.0 (written against torch 2.14) on an older torch: the GPU image's 2.11.
+"""torchtitan 0.3.0 (written against torch 2.14) on an older torch, e.g. 2.11.
 
 Python imports ``sitecustomize`` at start-up from the first folder on ``sys.path`` that has one,
 so the patches below are in place before anything imports torchtitan, in every process the GPU
 check starts (the Trainer subprocess and inductor's compile workers too). ``gpu_check.sh`` puts
 this folder on ``PYTHONPATH`` only when torch is older than 2.14; it is no package and nothing
 imports it otherwise. Each patch also checks that the piece is missing, so on torch 2.14.1 the
-module changes nothing. The three gaps and their verbatim errors: ``../shared/notes/gpu-image.md``
-(checked on CPU under torch 2.11: losses bit-identical to 2.14.1).
+module changes nothing. The three gaps and their verbatim errors: ``docs/gpu-check.md`` (checked
+on CPU under torch 2.11: losses bit-identical to 2.14.1).
 
 Not patched: ``fully_shard(dp_mesh_dims=...)`` (reached only at >= 2 ranks with the default
 ``spmd_types`` backend; the GPU check runs one process).
@@ -99,7 +99,7 @@ def _apply() -> None:
 
 
 def _chain_next_sitecustomize() -> None:
-    # Being first on sys.path hides any sitecustomize the image has further down: run it too.
+    # Being first on sys.path hides any sitecustomize the environment has further down: run it too.
     here = os.path.dirname(os.path.abspath(__file__))
     for entry in sys.path:
         path = os.path.join(entry or os.getcwd(), "sitecustomize.py")
