@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.meta import environment, write
 from custom_ops import cpu
 
 # name: (keys, S sources, C sites, tokens, d, r[, logit sd]); "standard" is r = d with the value
@@ -297,12 +297,10 @@ def main(argv=None) -> int:
         )
         rows = compare(libs, a.reps)
     if a.json:
-        meta = {"against": a.against, "reps": a.reps, "threads": torch.get_num_threads(),
-                "torch": torch.__version__, "shapes": SHAPES, "model": a.model,
-                "variants": a.variants, "steps": a.steps, "ops": a.ops}  # fmt: skip
-        with open(a.json, "w") as f:
-            json.dump({"config": meta, "rows": rows}, f, indent=1)
-        print(f"wrote {a.json}")
+        meta = {"against": a.against, "reps": a.reps, **environment(), "shapes": SHAPES,
+                "model": a.model, "variants": a.variants, "steps": a.steps,
+                "ops": a.ops}  # fmt: skip
+        write(a.json, {"config": meta, "rows": rows})
     return 0
 
 

@@ -20,14 +20,13 @@ per step only: nothing of it survives between decode steps.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 
 import torch
 
+from benchmarks.meta import environment, write
 from benchmarks.ops import _sync
 from benchmarks.overhead import parse_variant
 
@@ -240,11 +239,7 @@ def main(argv=None) -> int:
         return 2
     print(table(result))
     if a.json:
-        meta = dict(vars(a), torch=torch.__version__, threads=torch.get_num_threads(),
-                    machine=platform.machine())  # fmt: skip
-        with open(a.json, "w") as f:
-            json.dump({"config": meta, "result": result}, f, indent=1)
-        print(f"wrote {a.json}")
+        write(a.json, {"config": dict(vars(a), **environment(a.device)), "result": result})
     return 0
 
 

@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import gpu_parity, peers
+from benchmarks import gpu_parity, meta, peers
 from benchmarks import ops as op_bench
 
 DEADLINE_S = 330.0
@@ -271,7 +271,7 @@ def targets(result, judged: bool = True) -> list[dict]:
 
 
 def _versions() -> dict:
-    out = {"python": platform.python_version(), "torch": torch.__version__}
+    out = meta.versions()
     for dist in ("triton", "torchtitan", *dict.fromkeys(peers.DISTS.values())):
         try:
             out[dist] = importlib.metadata.version(dist)
@@ -303,13 +303,12 @@ def main(argv=None):
     # gpu_check.sh passes the wall-clock end of its budget (pip and imports already spent)
     end = float(os.environ.get("GPU_CHECK_END", time.time() + DEADLINE_S))
     deadline = t_start + min(DEADLINE_S, end - time.time())
-    result = {"device": str(device), "dry_run": dry, "versions": _versions(), "caps_s": CAPS}
+    result = {"device": str(device), "dry_run": dry, **meta.environment(device),
+              "versions": _versions(), "caps_s": CAPS}  # fmt: skip
     if dry:
         result["note"] = (
             "CPU dry run with tiny shapes: checks that every section runs; no GPU figure"
         )
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     bg = {}
     if "trainer" in wanted:

@@ -10,15 +10,13 @@ forward or any gradient disagrees with the eager reference is reported and NOT t
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 
 import torch
 
 import custom_ops
-from custom_ops.cpu import cpu_info
+from benchmarks.meta import environment, write
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relative RMS
 
@@ -26,16 +24,6 @@ TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}  # relati
 def _sync(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def cpu_name() -> str:
-    """The processor's model name (the JSON says which machine a figure is from)."""
-    info = cpu_info()
-    return (
-        f"{info['model name']}, {info['cpus']} CPUs"
-        if "model name" in info
-        else platform.processor()
-    )
 
 
 def timeit(fn, device, repeat: int, warmup: int = 2) -> float:
@@ -154,9 +142,7 @@ def run(device, shapes, dtype, repeat, backends=None):
     device = torch.device(device)
     if backends is None:
         backends = ["reference", "compiled"] + (["triton"] if device.type == "cuda" else [])
-    result = {"device": str(device), "torch": torch.__version__, "rows": []}
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
+    result = {"device": str(device), **environment(device), "rows": []}
     result["copy_gbps"] = copy_bandwidth(device)
     for tokens, d, r, sources, sliced in shapes:
         result["rows"] += bench_shape(
@@ -208,11 +194,9 @@ def main(argv=None):
         shapes = [(2048, 1024, 64, s, sl) for s in (5, 9) for sl in (True, False)]
     dtype = torch.bfloat16 if cuda else torch.float32
     result = run(args.device, shapes, dtype, repeat)
-    result["cpu"] = cpu_name()
     print_table(result)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write(args.json, result)
     return result
 
 

@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from benchmarks.meta import environment, write
 from titan_lrattnres.components.optimizers import recipe_param_groups
 from titan_lrattnres.model.registry import model_registry
 from train_configs.common import param_groups
@@ -199,14 +200,13 @@ def main(argv=None) -> None:
     report = {
         "flavor": args.flavor,
         "rounds": args.rounds,
-        "threads": torch.get_num_threads(),
+        **environment(),  # threads among them
         "one_process": one,
         "two_ranks": two,
     }
     print(table(one, two, args.flavor, n))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write(args.json, report)
 
 
 if __name__ == "__main__":

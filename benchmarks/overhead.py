@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import random
 import re
 import statistics
@@ -37,7 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.ops import _sync, cpu_name
+from benchmarks.meta import environment, write
+from benchmarks.ops import _sync
 
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
@@ -416,12 +416,9 @@ def main(argv=None) -> int:
         return 2
     print(table(result))
     if a.json:
-        meta = dict(vars(a), hidden=shape.hidden_dim, torch=torch.__version__,
-                    threads=torch.get_num_threads(), machine=platform.machine(), cpu=cpu_name(),
+        meta = dict(vars(a), hidden=shape.hidden_dim, **environment(a.device),
                     freed_memory_kept=kept)  # fmt: skip
-        with open(a.json, "w") as f:
-            json.dump({"config": meta, "result": result}, f, indent=1)
-        print(f"wrote {a.json}")
+        write(a.json, {"config": meta, "result": result})
     return 0
 
 

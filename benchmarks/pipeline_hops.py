@@ -15,9 +15,9 @@ hold; "h only" is what a plain residual stream sends.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from benchmarks.meta import environment, write
 from titan_lrattnres.parallel.pipeline_plan import hop_table
 
 
@@ -48,9 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c:,} | {c / n:.2f} |"
         )
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "tables": tables}, f, indent=1)
-        print(f"wrote {a.json}")
+        write(a.json, {"args": vars(a), **environment(), "tables": tables})
     return 0
 
 

@@ -12,24 +12,63 @@ L and N = L/k. Neither given = Full AttnRes (every sublayer its own source).
 from __future__ import annotations
 
 
-def block_ends(num_sublayers: int, num_blocks: int) -> list[int]:
-    """Block ends ``E = {ceil(M·i/N) : i = 1..N}`` in SUBLAYER units; increasing, last = M."""
-    if num_sublayers < 1:
-        raise ValueError(f"num_sublayers must be >= 1, got {num_sublayers}")
-    if not 1 <= num_blocks <= num_sublayers:
-        raise ValueError(f"num_blocks must be in [1, {num_sublayers}] (= 2L), got {num_blocks}")
-    # integer ceil avoids float rounding at large M
-    return [-(-num_sublayers * i // num_blocks) for i in range(1, num_blocks + 1)]
+def check_schedule(
+    num_sublayers: int,
+    num_blocks: int | None = None,
+    block_layers: int | None = None,
+    *,
+    count_field: str = "num_blocks",
+    count_given: bool | None = None,
+) -> None:
+    """Raise ``ValueError`` naming the field and its allowed range unless ``num_blocks`` (None =
+    Full) or ``block_layers`` (None = not by size) is a schedule of ``num_sublayers`` sublayers:
+    the one check of these fields (the functions below and the model config call it).
+
+    ``count_field``: the count's name as the caller's users spell it (the model config's
+    ``blocks``). ``count_given``: whether the count was given (default: it is not None); a caller
+    whose count defaults to a number tells an explicit None (Full) from none given.
+    """
+    given = num_blocks is not None if count_given is None else count_given
+    if given and block_layers is not None:
+        raise ValueError(
+            f"give blocks (a count, got {num_blocks!r}) or block_layers (a size in layers, got "
+            f"{block_layers!r}), not both"
+        )
+    if block_layers is not None:
+        _check_block_layers(num_sublayers, block_layers)
+        return
+    if not (isinstance(num_sublayers, int) and num_sublayers >= 1):
+        raise ValueError(f"num_sublayers must be an int >= 1, got {num_sublayers!r}")
+    if num_blocks is not None and not (
+        isinstance(num_blocks, int) and 1 <= num_blocks <= num_sublayers
+    ):
+        raise ValueError(
+            f"{count_field} must be None (Full) or an int in [1, {num_sublayers}] (= 2L), got "
+            f"{num_blocks!r}"
+        )
 
 
-def layer_block_ends(num_sublayers: int, block_layers: int) -> list[int]:
-    """Block ends every ``2·block_layers`` sublayers, then ``M`` (the last block may be shorter)."""
-    if num_sublayers < 2 or num_sublayers % 2:
-        raise ValueError(f"num_sublayers must be 2L >= 2, got {num_sublayers}")
+def _check_block_layers(num_sublayers: int, block_layers: int) -> None:
+    if not (isinstance(num_sublayers, int) and num_sublayers >= 2 and num_sublayers % 2 == 0):
+        raise ValueError(f"num_sublayers must be 2L >= 2, got {num_sublayers!r}")
     if not (isinstance(block_layers, int) and 1 <= block_layers <= num_sublayers // 2):
         raise ValueError(
             f"block_layers must be an int in [1, {num_sublayers // 2}] (= L), got {block_layers!r}"
         )
+
+
+def block_ends(num_sublayers: int, num_blocks: int | None) -> list[int]:
+    """Block ends ``E = {ceil(M·i/N) : i = 1..N}`` in SUBLAYER units; increasing, last = M.
+    ``num_blocks`` None = Full (N = M)."""
+    check_schedule(num_sublayers, num_blocks)
+    n = num_sublayers if num_blocks is None else num_blocks
+    # integer ceil avoids float rounding at large M
+    return [-(-num_sublayers * i // n) for i in range(1, n + 1)]
+
+
+def layer_block_ends(num_sublayers: int, block_layers: int) -> list[int]:
+    """Block ends every ``2·block_layers`` sublayers, then ``M`` (the last block may be shorter)."""
+    _check_block_layers(num_sublayers, block_layers)  # None too: here the size is the schedule
     size = 2 * block_layers
     return [*range(size, num_sublayers, size), num_sublayers]
 
@@ -39,14 +78,10 @@ def schedule_ends(
 ) -> list[int]:
     """Block ends of a schedule given by ``num_blocks`` or by ``block_layers`` (not both);
     neither = Full (an end after every sublayer)."""
-    if num_blocks is not None and block_layers is not None:
-        raise ValueError(
-            f"give blocks (a count, got {num_blocks}) or block_layers (a size in layers, got "
-            f"{block_layers}), not both"
-        )
+    check_schedule(num_sublayers, num_blocks, block_layers)
     if block_layers is not None:
         return layer_block_ends(num_sublayers, block_layers)
-    return block_ends(num_sublayers, num_sublayers if num_blocks is None else num_blocks)
+    return block_ends(num_sublayers, num_blocks)
 
 
 def site_sources(
@@ -90,4 +125,11 @@ def source_counts(
     return counts
 
 
-__all__ = ["block_ends", "layer_block_ends", "schedule_ends", "site_sources", "source_counts"]
+__all__ = [
+    "block_ends",
+    "check_schedule",
+    "layer_block_ends",
+    "schedule_ends",
+    "site_sources",
+    "source_counts",
+]

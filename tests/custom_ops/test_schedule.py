@@ -5,7 +5,13 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from custom_ops.schedule import block_ends, site_sources, source_counts
+from custom_ops.schedule import (
+    block_ends,
+    check_schedule,
+    schedule_ends,
+    site_sources,
+    source_counts,
+)
 
 layers = st.integers(1, 40)
 
@@ -84,3 +90,30 @@ def test_bad_arguments():
         block_ends(8, 0)
     with pytest.raises(ValueError, match="read site"):
         site_sources(9, 8, 2)
+
+
+def test_check_schedule_names_the_field_and_its_range():
+    """The one check of a schedule's fields: the ops' names by default, the caller's on request
+    (the model config's ``blocks``); an explicit None count given with a size is refused."""
+    import pytest
+
+    check_schedule(8)  # Full
+    check_schedule(8, 8)
+    check_schedule(8, None, 4)
+    for bad in (0, 9, 2.0):
+        with pytest.raises(
+            ValueError, match=r"^num_blocks must be None \(Full\) or an int in \[1, 8\]"
+        ):
+            check_schedule(8, bad)
+    with pytest.raises(ValueError, match=r"^blocks must be None \(Full\) or an int in \[1, 8\]"):
+        check_schedule(8, 9, count_field="blocks")
+    for bad in (0, 5, 1.5):
+        with pytest.raises(ValueError, match=r"^block_layers must be an int in \[1, 4\] \(= L\)"):
+            check_schedule(8, None, bad)
+    with pytest.raises(ValueError, match=r"give blocks \(a count, got 2\) or block_layers"):
+        check_schedule(8, 2, 1)
+    with pytest.raises(ValueError, match=r"got None\) or block_layers .* not both"):
+        check_schedule(8, None, 1, count_given=True)
+    with pytest.raises(ValueError, match="num_sublayers must be 2L"):
+        check_schedule(7, None, 1)
+    assert block_ends(6, None) == schedule_ends(6) == [1, 2, 3, 4, 5, 6]  # None = Full

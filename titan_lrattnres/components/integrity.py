@@ -43,6 +43,7 @@ RECORD = "checksums.json"
 FORMAT, VERSION, ALGORITHM = "lrattnres-checksums", 1, "sha256"
 REJECTED = "rejected"  # beside the step folders; matches no ``step-N`` pattern (not purged)
 HF_INDEX = "model.safetensors.index.json"  # a last-step save in HF format has no .metadata
+CHUNK = 1 << 22  # bytes hashed per read (4 MiB): shards are gigabytes, memory stays bounded
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def _files(folder: Path) -> list[str]:
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
+        while chunk := f.read(CHUNK):
             h.update(chunk)  # releases the GIL: the thread pool hashes files in parallel
     return h.hexdigest()
 

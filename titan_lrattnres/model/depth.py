@@ -33,8 +33,6 @@ import custom_ops
 from custom_ops import reference
 from custom_ops.schedule import schedule_ends
 
-BACKENDS = ("reference", "compiled", "triton", "auto")
-
 
 def query_name(t: int) -> str:
     """Parameter name of read site t's query (``router.<name>``)."""
@@ -71,8 +69,8 @@ class DepthRouter(Module):
         num_sublayers: int  # M = 2L
         blocks: int | None = None  # None (and block_layers None) = Full
         block_layers: int | None = None  # Block by size: an end every 2k sublayers
-        eps: float | None = None  # key RMSNorm eps; None = finfo(fp32).eps
-        backend: str = "auto"
+        eps: float | None = None  # key RMSNorm eps; None = custom_ops.reference.DEFAULT_EPS
+        backend: str = "auto"  # one of custom_ops.BACKENDS (passed to its ops as it is)
         embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
 
     def __init__(self, config: Config):

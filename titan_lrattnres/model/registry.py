@@ -21,7 +21,9 @@ from torchtitan.models.common.config_utils import (
 from torchtitan.models.llama3.parallelize import parallelize_llama
 from torchtitan.protocols.model_spec import ModelSpec
 
-from titan_lrattnres.model.depth import BACKENDS, DepthRouter, query_names
+from custom_ops import BACKENDS
+from custom_ops.schedule import check_schedule
+from titan_lrattnres.model.depth import DepthRouter, query_names
 from titan_lrattnres.model.flops import VARIANTS
 from titan_lrattnres.model.model import LRAttnResModel, Sublayer, VocabHead
 from titan_lrattnres.parallel.pipeline import pipeline_lrattnres
@@ -100,23 +102,13 @@ def build_model_config(
     _check_choice("variant", variant, VARIANTS)
     _check_choice("depth_backend", depth_backend, BACKENDS)
     d, n_layers, m = flavor.dim, flavor.n_layers, 2 * flavor.n_layers
-    if block_layers is not None and blocks is not UNSET:
-        raise ValueError(
-            f"give blocks (a count, got {blocks!r}) or block_layers (a size in layers, got "
-            f"{block_layers!r}), not both"
-        )
-    if blocks is UNSET:
+    given = blocks is not UNSET  # an explicit None (Full) is given too
+    if not given:
         blocks = DEFAULT_BLOCKS if block_layers is None else None
-    if variant == "baseline":  # no routing: blocks and rank do not apply
+    both = given and block_layers is not None  # refused by check_schedule, for every variant
+    if variant == "baseline" and not both:  # no routing: blocks and rank do not apply
         blocks = block_layers = None
-    elif blocks is not None and not (isinstance(blocks, int) and 1 <= blocks <= m):
-        raise ValueError(f"blocks must be None (Full) or an int in [1, {m}] (= 2L), got {blocks!r}")
-    elif block_layers is not None and not (
-        isinstance(block_layers, int) and 1 <= block_layers <= n_layers
-    ):
-        raise ValueError(
-            f"block_layers must be an int in [1, {n_layers}] (= L), got {block_layers!r}"
-        )
+    check_schedule(m, blocks, block_layers, count_field="blocks", count_given=given)
     r = d if variant == "attnres" else rank
     if variant in ("sliced", "projected") and not (isinstance(rank, int) and 1 <= rank <= d):
         raise ValueError(f"rank must be an int in [1, {d}] (= d), got {rank!r}")

@@ -227,6 +227,91 @@ def test_finished_step_needs_an_intact_final_checkpoint(run):
     assert finished_step(config) == -1
 
 
+# -- damage past the first hashing chunk (files hash CHUNK bytes a read; shards are gigabytes) ---
+SMALL_CHUNK = 1024  # monkeypatched in: a few-KB file then spans several chunks
+SHARD_BYTES = 3 * SMALL_CHUNK + 100  # three whole chunks and a partial one
+HF_SHARD = "model-00001-of-00001.safetensors"
+
+
+def hf_step(folder: Path, size: int) -> Path:
+    """A recorded HF-format step folder (the index and one shard of ``size`` random bytes; no
+    ``.metadata``, so only sizes and checksums are checked)."""
+    folder.mkdir()
+    (folder / integrity.HF_INDEX).write_text("{}")
+    (folder / HF_SHARD).write_bytes(np.random.default_rng(1).bytes(size))
+    integrity.record(folder)
+    assert integrity.problem(folder) is None
+    return folder
+
+
+def flip(path: Path, offset: int) -> None:
+    """Flip the lowest bit of the byte at ``offset`` (the size stays)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 1]))
+
+
+def corrupted(step: Path, name: str) -> str:
+    return f"checkpoint {step}: {name} is corrupted (SHA-256 differs from {integrity.RECORD})"
+
+
+@pytest.mark.parametrize(
+    "offset",
+    [SMALL_CHUNK, 2 * SMALL_CHUNK + 511, 3 * SMALL_CHUNK, SHARD_BYTES - 1],
+    ids=["second_chunk_first_byte", "third_chunk", "last_partial_chunk", "last_byte"],
+)
+def test_a_flipped_byte_past_the_first_chunk_is_refused(tmp_path, monkeypatch, offset):
+    monkeypatch.setattr(integrity, "CHUNK", SMALL_CHUNK)
+    step = hf_step(tmp_path / "step-1", SHARD_BYTES)
+    flip(step / HF_SHARD, offset)
+    assert integrity.problem(step) == corrupted(step, HF_SHARD)
+    with pytest.raises(integrity.CheckpointIntegrityError, match=f"{HF_SHARD} is corrupted"):
+        integrity.check(step)
+
+
+@pytest.mark.parametrize("change", ["truncated", "extended"])
+def test_a_file_cut_or_grown_past_the_first_chunk_is_refused(tmp_path, monkeypatch, change):
+    """Refused for its size; and with the recorded size forged to match, for its SHA-256 (the
+    first chunk is intact either way)."""
+    monkeypatch.setattr(integrity, "CHUNK", SMALL_CHUNK)
+    step = hf_step(tmp_path / "step-1", SHARD_BYTES)
+    shard = step / HF_SHARD
+    if change == "truncated":
+        size = 2 * SMALL_CHUNK + 10
+        os.truncate(shard, size)
+    else:
+        size = SHARD_BYTES + SMALL_CHUNK
+        with open(shard, "ab") as f:
+            f.write(bytes(SMALL_CHUNK))
+    cut = " (truncated)" if change == "truncated" else ""
+    says = f"checkpoint {step}: {HF_SHARD} has {size} bytes, {SHARD_BYTES} recorded{cut}"
+    assert integrity.problem(step) == says
+    rec = integrity.read_record(step)
+    rec["files"][HF_SHARD]["size"] = size
+    integrity.write_json(step / integrity.RECORD, rec)
+    assert integrity.problem(step) == corrupted(step, HF_SHARD)
+
+
+def test_a_flipped_byte_past_the_real_first_chunk_is_refused(tmp_path):
+    """The shipped chunk size: a file of one chunk and a half, damaged in its second."""
+    step = hf_step(tmp_path / "step-1", integrity.CHUNK + integrity.CHUNK // 2)
+    flip(step / HF_SHARD, integrity.CHUNK + 4096)
+    assert integrity.problem(step) == corrupted(step, HF_SHARD)
+
+
+def test_a_dcp_shard_damaged_past_the_first_chunk_is_refused_by_load(run, monkeypatch):
+    """A real checkpoint with 4 KB chunks: its shard's last tensor byte flipped."""
+    monkeypatch.setattr(integrity, "CHUNK", 4096)
+    step, shard = run / "checkpoint" / "step-3", run / "checkpoint" / "step-3" / SHARD
+    assert shard.stat().st_size > 4 * integrity.CHUNK
+    flip(shard, shard.stat().st_size - 1)
+    with pytest.raises(integrity.CheckpointIntegrityError, match=f"{SHARD} is corrupted"):
+        load_model(run)
+    assert integrity.problem(step) == corrupted(step, SHARD)
+
+
 # -- the trainer (subprocesses) -------------------------------------------------------------------
 STEPS = ["--training.steps", "6", "--checkpoint.interval", "2", "--validator.no-enable"]
 DETERMINISTIC = ["--debug.seed", "0", "--debug.deterministic"]
