@@ -2,7 +2,7 @@
 
     python -m benchmarks.ops [--json PATH] [--device cpu|cuda] [--dry-run]
 
-Minimal-bytes model per token (SPEC-free, prior-art §3): forward (S+1)·d·size (read S values,
+Minimal-bytes model per token: forward (S+1)·d·size (read S values,
 write h), backward (2S+1)·d·size (read S values and dh, write S value grads). An op whose
 forward or any gradient disagrees with the eager reference is reported and NOT timed.
 """

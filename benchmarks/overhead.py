@@ -110,7 +110,7 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
     model.to(device=device)
     model.init_states(buffer_device=torch.device(device))
     for pname, param in model.named_parameters():  # not the buffers: RoPE's are complex
-        if not pname.startswith("router.query_"):  # fp32 queries (SPEC §2), as in mixed precision
+        if not pname.startswith("router.query_"):  # fp32 queries, as in mixed precision
             param.data = param.data.to(dtype)
     model.train()
     if compile_:

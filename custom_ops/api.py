@@ -1,4 +1,4 @@
-"""Public depth-read API (SPEC §2, §7). Shapes and dtypes follow ``custom_ops.reference``.
+"""Public depth-read API (docs/method.md §2, §7). Shapes and dtypes follow ``custom_ops.reference``.
 
 ``backend``: ``"reference"`` (eager reference, plain autograd), ``"compiled"`` (the
 ``lrattnres::`` ops with the plain-PyTorch kernel), ``"triton"`` (the ops with the Triton kernels;
@@ -141,12 +141,12 @@ def depth_read_lse(
 
 
 def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch.Tensor:
-    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in the values' dtype (SPEC §2)."""
+    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in the values' dtype (docs/method.md §2)."""
     return depth_read_lse(values, keys, query, eps, backend=backend)[0]
 
 
 def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split: bool = False):
-    """Phase 1 of SPEC §7: a query bank ``[c, r]`` against the completed sources.
+    """Phase 1 of docs/method.md §7: a query bank ``[c, r]`` against the completed sources.
 
     Each source is read once for all c read sites. Returns ``(out [c, ..., d] FP32, lse [c, ...]
     fp32)``; out is kept in fp32 (not the values' dtype) so the phase-2 merge loses nothing.
@@ -205,8 +205,9 @@ def merge_partial(
     emit_norm: bool = False,
     backend: str = "auto",
 ):
-    """Phase 2 of SPEC §7: merge one site's phase-1 ``(out1 [..., d], lse1 [...])`` with the live
-    partial source ``partial_value [..., d]`` (key ``partial_key [..., r]``, or None = sliced tail).
+    """Phase 2 (docs/method.md §7): merge one site's phase-1 ``(out1 [..., d], lse1 [...])`` with
+    the live partial source ``partial_value [..., d]`` (key ``partial_key [..., r]``, or None =
+    sliced tail).
 
     Returns h ``[..., d]`` in partial_value's dtype, or ``(h, RMSNorm(h))`` when ``emit_norm``:
     parameter-free, computed in fp32, returned in h's dtype, with the key norm's eps

@@ -1,12 +1,12 @@
 """Plain-PyTorch depth read: the ``compiled`` impl on CUDA (through torch.compile) and, on CPU,
 for 16-bit inputs and wherever the fused C kernels (``custom_ops.cpu``) are unavailable.
 
-Same maths as ``custom_ops.reference`` (SPEC §2, §7), laid out for few eager passes: every large
-tensor (values, outputs, their gradients: ``[tokens, d]``) is touched by a few whole-tensor
+Same maths as ``custom_ops.reference`` (docs/method.md §2, §7), laid out for few eager passes: every
+large tensor (values, outputs, their gradients: ``[tokens, d]``) is touched by a few whole-tensor
 elementwise passes, and everything per source and per token is computed on small ``[S, C, tokens]``
 tensors with 2-D matmuls over the r key dims. No per-token batched matmul (an ``einsum`` over
-``...`` becomes one ``bmm`` per token, and CPU ``bmm`` loops over the batch in C++ with a
-``select`` per token) and no stacking copy of the values.
+``...`` becomes one ``bmm`` per token, and CPU ``bmm`` loops over the batch in C++ with a ``select``
+per token) and no stacking copy of the values.
 
 - forward: logits of every source (``[C, r] @ [r, tokens]``), softmax over the S sources on the
   small logits, then ``out_c = Σ_s α_{s,c} v_s`` accumulated in place in fp32 (``addcmul_``);
@@ -169,7 +169,7 @@ def _partial_key(partial_value, partial_key, rank: int):
 
 @torch.no_grad()
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
-    """Phase 2 (SPEC §7): merge a phase-1 read ``(out1, lse1)`` with the single partial source.
+    """Phase 2 (docs/method.md §7): merge a phase-1 read ``(out1, lse1)`` with the partial source.
 
     Returns ``(h, norm)``: h ``[..., d]`` in partial_value's dtype, norm = RMSNorm(h) in the same
     dtype when ``emit_norm`` else an empty tensor.

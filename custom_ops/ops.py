@@ -25,7 +25,7 @@ Ops (one name on every machine; the backward of every op is itself an op):
 All ops are registered with ``torch.library.custom_op`` (opaque to compile/export), on CPU and on
 CUDA. Not ``triton_op``: the kernels take the sources as a bucket-padded tuple of tensors, and
 torch.compile mis-traces a ``triton_op`` whose kernel gets a tuple built from a ``list[Tensor]``
-(members frozen as constants, writes dropped: ../shared/notes/kernel-inputs.md). Inductor would
+(members frozen as constants, writes dropped; docs/ops.md). Inductor would
 not fuse into a user kernel anyway; it launches the whole read as one opaque call.
 
 Eager autograd: plain tensors (``plain``: no trace, no dispatch or function mode, no subclass

@@ -1,4 +1,4 @@
-"""Eager reference of the LR-AttnRes depth read (SPEC §2 and §7), written to be read.
+"""Eager reference of the LR-AttnRes depth read (docs/method.md §2 and §7), written to be read.
 
 Every fast path in this project is tested against these functions.
 
@@ -96,12 +96,12 @@ def depth_read_with_lse(values, keys, query, eps=None):
 
 
 def depth_read(values, keys, query, eps=None) -> torch.Tensor:
-    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` (SPEC §2), in the values' dtype."""
+    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` (docs/method.md §2), in the values' dtype."""
     return depth_read_with_lse(values, keys, query, eps)[0]
 
 
 def merge_reads(out1, lse1, out2, lse2):
-    """Exact merge of two disjoint reads by their LSEs (SPEC §7, online-softmax rule).
+    """Exact merge of two disjoint reads by their LSEs (docs/method.md §7, online-softmax rule).
 
     ``m = max(m1, m2); Z = e^{m1-m} + e^{m2-m}; o = (e^{m1-m} o1 + e^{m2-m} o2) / Z``, with
     ``lse_i = log Z_i`` so the ``Z_i`` factors are already inside the exponent. Returns

@@ -1,4 +1,4 @@
-"""Depth-source schedule of LR-AttnRes (SPEC §3): block ends and source counts.
+"""Depth-source schedule of LR-AttnRes (docs/method.md §3): block ends and source counts.
 
 Sublayers are numbered j = 1..M (M = 2L; odd j = attention, even j = MLP). Read site t in 0..M
 produces the input of sublayer t+1; site M is the final read.

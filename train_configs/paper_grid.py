@@ -1,4 +1,4 @@
-"""The paper's ~0.5B grid (SPEC §6) for GPU clusters, generated programmatically.
+"""The paper's ~0.5B grid (docs/method.md §6) for GPU clusters, generated programmatically.
 
 Recipe: ``paper_0p5b`` flavor, seq 2048, global batch 128 sequences = 262,144 tokens,
 10B tokens = 38,147 steps, WSD schedule (2,000 warmup steps, last 20% linear decay to 0.1x).
@@ -90,7 +90,7 @@ def paper_config(name: str, local_batch_size: int = 4, float8: bool = False):
 def _named(name: str, float8: bool = False):
     f = partial(paper_config, name, float8=float8)
     f.__name__ = f.__qualname__ = f"{name}_float8" if float8 else name
-    f.__doc__ = f"SPEC §6 recipe, {GRID[name]} (variant, blocks, rank)" + (
+    f.__doc__ = f"docs/method.md §6 recipe, {GRID[name]} (variant, blocks, rank)" + (
         ", float8 rowwise." if float8 else "."
     )
     return f

@@ -1,4 +1,4 @@
-"""The paper's training recipe on top of a ``make_config`` result (paper-details.md, "Optimiser").
+"""The paper's training recipe on top of a ``make_config`` result (docs/training.md).
 
 ``with_paper_recipe(config, variant=...)`` swaps in: Muon (Polar Express, NorMuon, cautious wd
 0.1, lr 1e-3) for every >= 2-D weight but the embedding and the LM head, AdamW (lr 3e-4, betas

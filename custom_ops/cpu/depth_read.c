@@ -1,4 +1,4 @@
-/* Fused CPU kernels of the depth read (SPEC §2, §7), fp32, one pass over each token's rows.
+/* Fused CPU kernels of the depth read (docs/method.md §2, §7), fp32, one pass over each token's rows.
  *
  * Each exported function splits the tokens over `threads` OpenMP threads; linked against the
  * libgomp that torch has already loaded, they share torch's thread pool (no oversubscription).

@@ -1,4 +1,4 @@
-"""Phase-2 merge (SPEC §7) of a phase-1 read with the live partial source, and its backward.
+"""Phase-2 merge (docs/method.md §7) of a phase-1 read with the live partial source; backward.
 
 Per token: ``ℓ = <q, RMSNorm(k_p)>``, ``w1 = σ(lse1 - ℓ)``, ``w2 = σ(ℓ - lse1)`` (the online-softmax
 rule with ``lse1 = log Z1``), ``h = w1·out1 + w2·v_p`` rounded to v_p's dtype, and optionally the

@@ -5,16 +5,16 @@ Inputs (``extremes``): per-source value (and key) magnitudes 10^e for e in a giv
 norms from 1e-2 to 1e3, and optionally one source whose key points along the query, the query
 lengthened (up to 1e5) until that source leads every other by 1e4 in logit.
 
-The oracle is the maths of SPEC §2 / §7 in float64 (no fp32 step: k² cannot overflow), written
-independently of ``custom_ops.reference``; its gradients come from float64 autograd. The allowed
-error is a forward error bound (``|fl(Σ ab) - Σ ab| <= γ_n Σ |a||b|``): the result dtype's
+The oracle is the maths of docs/method.md §2 / §7 in float64 (no fp32 step: k² cannot overflow),
+written independently of ``custom_ops.reference``; its gradients come from float64 autograd. The
+allowed error is a forward error bound (``|fl(Σ ab) - Σ ab| <= γ_n Σ |a||b|``): the result dtype's
 tolerance relative to the exact value, plus ``κ = 8·(n + 8)·2^-24·(1 + L)`` times the same sums
-taken over the ABSOLUTE values of their terms (``read_bounds`` / ``merge_bounds``), where
-``L = max Σ_j |q_j k̄_j|`` bounds the logits: fp32 logits of size L carry an absolute error
-~L·2^-24, which moves every routing weight by that relative amount. So an exactly-cancelling
-gradient (a single source, r = 1, a dominating source) may carry fp32 rounding noise, and
-nothing larger. Two more allowances: what a weight below fp32's smallest normal carries (fp32
-flushes it), and the spacing of the smallest subnormals.
+taken over the ABSOLUTE values of their terms (``read_bounds`` / ``merge_bounds``), where ``L = max
+Σ_j |q_j k̄_j|`` bounds the logits: fp32 logits of size L carry an absolute error ~L·2^-24, which
+moves every routing weight by that relative amount. So an exactly-cancelling gradient (a single
+source, r = 1, a dominating source) may carry fp32 rounding noise, and nothing larger. Two more
+allowances: what a weight below fp32's smallest normal carries (fp32 flushes it), and the spacing of
+the smallest subnormals.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def read(values, keys, query):
 
 
 def merge(out1, lse1, partial_value, partial_key, query):
-    """Phase 2 (SPEC §7), float64: ``(h, RMSNorm(h))``."""
+    """Phase 2 (docs/method.md §7), float64: ``(h, RMSNorm(h))``."""
     lead = (logits([partial_key], query)[0] - lse1.double()).unsqueeze(-1)
     # σ(x) as exp(-softplus(-x)): autograd then differentiates it as σ(x)·σ(-x), exact for
     # either share; sigmoid's own backward, σ·(1 - σ), loses a share below 2^-53 (1 - σ = 0)

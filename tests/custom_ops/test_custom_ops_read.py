@@ -97,7 +97,8 @@ def check_split_block_read(case: ReadCase, n_queries: int, unused: list[bool], r
 
 
 def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND):
-    """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read (SPEC §7)."""
+    """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read
+    (docs/method.md §7)."""
     values, keys, query = make_read(case)
     inputs = leaves(values, keys, query)
     done_keys = None if keys is None else keys[:-1]

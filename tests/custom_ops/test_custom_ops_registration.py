@@ -123,7 +123,7 @@ def test_compile_aot_eager_fullgraph(sliced):
 
 @pytest.mark.slow
 def test_compile_inductor(tmp_path, monkeypatch):
-    # a warm inductor cache once served a stale op body (PLATFORM.md)
+    # a warm inductor cache can serve a stale op body: a fresh cache tests this tree's ops
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
     _check_compiled("inductor", False, torch.bfloat16)

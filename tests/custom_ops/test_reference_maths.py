@@ -1,4 +1,4 @@
-"""Properties of the eager reference read (SPEC §2, §7)."""
+"""Properties of the eager reference read (docs/method.md §2, §7)."""
 
 import pytest
 import torch

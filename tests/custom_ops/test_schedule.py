@@ -1,4 +1,4 @@
-"""Schedule properties (SPEC §3) over random L and N."""
+"""Schedule properties (docs/method.md §3) over random L and N."""
 
 import math
 

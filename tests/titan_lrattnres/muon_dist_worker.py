@@ -120,7 +120,7 @@ def dcp_resume(folder: str) -> dict:
 
 
 def main(out: str) -> None:
-    cpu.release_gloo_at_exit()  # no SIGABRT at exit (cpu.py, P7)
+    cpu.release_gloo_at_exit()  # no SIGABRT at exit (see release_gloo_at_exit)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     result = {

@@ -1,6 +1,6 @@
 """Float8 training (torchao rowwise) for this model, as a torchtitan model-config converter.
 
-torchtitan 0.3.0's ``Float8LinearConverter`` has three traps here (notes/scale-out.md):
+torchtitan 0.3.0's ``Float8LinearConverter`` has three traps here:
 ``emulate=True`` silently switches the recipe to tensorwise, ``filter_fqns=
 ["auto_filter_small_kn"]`` converts nothing (torchao's filter gets a config, not a module), and
 the hardware check runs when the config is built, so a GPU config cannot even be built on a CPU

@@ -1,7 +1,7 @@
 """The paper's Muon (Polar Express + NorMuon + cautious decay) for FSDP2 and HSDP.
 
 One step for a matrix ``W`` (``rows x cols``; a >2-D weight is viewed as ``[shape[0], -1]``) with
-gradient ``G``, as in the LR-AttnRes code (``muon/muon.py``; paper-details.md "Optimiser"):
+gradient ``G``, as in the LR-AttnRes authors' code (``muon/muon.py``; docs/training.md):
 
     M <- lerp(M, G, 1 - mu)                      momentum, on the local shard
     U <- lerp(G, M, mu)                          Nesterov

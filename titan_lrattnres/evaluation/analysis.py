@@ -1,4 +1,4 @@
-"""Routing analysis: what the depth reads of a trained model attend to (SPEC §6).
+"""Routing analysis: what the depth reads of a trained model attend to (docs/method.md §6).
 
 For every read site t = 1..2L the routing weights over its sources are recomputed with the eager
 reference maths (``custom_ops.reference.depth_logits`` + softmax, fp32) while the model's own
@@ -105,7 +105,7 @@ def site_stats(t: int, alpha: torch.Tensor, labels: list[str]) -> SiteStats:
 
 
 def summarise(stats: list[SiteStats]) -> dict[str, float]:
-    """Averages over read sites with more than one source (comparable to SPEC §6)."""
+    """Averages over read sites with more than one source (comparable to docs/method.md §6)."""
     multi = [s for s in stats if s.num_sources > 1]
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
     return {
@@ -192,8 +192,8 @@ def markdown_report(stats: list[SiteStats], summary: dict, header: str = "") -> 
         )
     lines += [
         "",
-        f"Averages over {summary['sites']} read sites with |S_t| > 1 (paper, SPEC §6: low-rank "
-        "≈0.86 / ≈13-15 / ≈0.3, standard ≈0.67 / ≈6 / ≈0.5 at L=24):",
+        f"Averages over {summary['sites']} read sites with |S_t| > 1 (paper, docs/method.md §6: "
+        "low-rank ≈0.86 / ≈13-15 / ≈0.3, standard ≈0.67 / ≈6 / ≈0.5 at L=24):",
         "",
         "| norm. entropy | eff. sources | top-1 mass | input dep. |",
         "|---|---|---|---|",

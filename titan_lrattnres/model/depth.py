@@ -1,4 +1,4 @@
-"""The depth router: read sites, source bookkeeping and the query bank (SPEC §1-4, §7).
+"""The depth router: read sites, source bookkeeping and the query bank (docs/method.md §1-4, §7).
 
 Design: the transformer's 2L sublayers are the units that torchtitan compiles, checkpoints and
 shards (``model.layers``); every depth read runs between them in the root forward, so each

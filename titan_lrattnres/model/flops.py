@@ -1,4 +1,4 @@
-"""The paper's added-FLOPs accounting (SPEC §5), per token, forward.
+"""The paper's added-FLOPs accounting (docs/method.md §5), per token, forward.
 
 core  = L · (8 d² + 6 d h)                 no attention scores, embedding or LM head
 read  = 2 (d + r) · Σ_{t=1..M} |S_t|       2r logit dot + 2d weighted sum
@@ -50,7 +50,7 @@ def added_flops_percent(
     blocks: int | None = None,
     block_layers: int | None = None,
 ) -> float:
-    """Added FLOPs % over the core (SPEC §5). ``blocks=None`` is Full; ``rank`` is ignored for
-    ``attnres`` (r = d) and ``baseline``."""
+    """Added FLOPs % over the core (docs/method.md §5). ``blocks=None`` is Full; ``rank`` is
+    ignored for ``attnres`` (r = d) and ``baseline``."""
     extra = routing_flops(variant, num_layers, dim, hidden, rank, blocks, block_layers=block_layers)
     return 100.0 * extra / core_flops(num_layers, dim, hidden)

@@ -4,8 +4,8 @@
 ...), so torchtitan's per-unit activation checkpointing, ``compile(fullgraph=True)`` and FSDP2
 apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced by the depth
 loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
-through the final RMSNorm and the LM head (SPEC §1). Parallelism: FSDP2 / HSDP, tensor parallel
-with or without sequence parallel, and both together (layouts:
+through the final RMSNorm and the LM head (docs/method.md §1). Parallelism: FSDP2 / HSDP, tensor
+parallel with or without sequence parallel, and both together (layouts:
 ``titan_lrattnres.parallel.sharding``); pipeline parallel (stages, the cross-stage source cache:
 ``titan_lrattnres.parallel.pipeline``); context parallel is refused in
 ``LRAttnResModel.Config.update_from_config``.
@@ -143,7 +143,7 @@ class LRAttnResModel(Decoder):
                     "LR-AttnRes does not support context parallel yet (parallelism."
                     f"context_parallel_degree={parallelism.context_parallel_degree}; set it to "
                     "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
-                    "has no CPU backward, so CP cannot be tested here; README 'Parallelism'"
+                    "has no CPU backward, so CP cannot be tested here; docs/parallelism.md"
                 )
             if parallelism.pipeline_parallel_degree > 1:
                 from titan_lrattnres.parallel.pipeline_plan import check_schedule

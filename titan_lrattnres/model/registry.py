@@ -1,7 +1,7 @@
 """``model_registry(flavor, *, variant, blocks, rank, ...) -> ModelSpec`` and the flavors.
 
-Flavors follow SPEC §6 (no biases, untied head, RoPE θ = 5e5, qk-norm, parameter-free RMSNorms,
-init N(0, 0.02)); ``debug`` is sized for seconds-per-step CPU runs.
+Flavors follow docs/method.md §6 (no biases, untied head, RoPE θ = 5e5, qk-norm, parameter-free
+RMSNorms, init N(0, 0.02)); ``debug`` is sized for seconds-per-step CPU runs.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ FLAVORS: dict[str, Flavor] = {
     "deep_debug": Flavor(
         dim=64, n_layers=24, n_heads=4, hidden_dim=192, vocab_size=4096, max_seq_len=512
     ),
-    # SPEC §6: the paper's ~0.5B model (cl100k vocabulary).
+    # docs/method.md §6: the paper's ~0.5B model (cl100k vocabulary).
     "paper_0p5b": Flavor(
         dim=1024, n_layers=24, n_heads=16, hidden_dim=2816, vocab_size=100277, max_seq_len=2048
     ),

@@ -457,7 +457,7 @@ TWO_RANKS = textwrap.dedent("""
         spec.loader.exec_module(module)
         return module
     integrity = load("integrity", sys.argv[2])
-    load("cpu", sys.argv[3]).release_gloo_at_exit()  # no SIGABRT at exit (cpu.py, P7)
+    load("cpu", sys.argv[3]).release_gloo_at_exit()  # no SIGABRT at exit (see release_gloo_at_exit)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 16))

@@ -1,4 +1,4 @@
-"""Routing analysis: weights, statistics, heatmap, CLI (SPEC §6)."""
+"""Routing analysis: weights, statistics, heatmap, CLI (docs/method.md §6)."""
 
 import json
 import math

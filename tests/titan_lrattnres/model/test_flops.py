@@ -1,4 +1,4 @@
-"""SPEC §5: the paper's added-FLOPs table to 6 decimals, and the closed forms."""
+"""docs/method.md §5: the paper's added-FLOPs table to 6 decimals, and the closed forms."""
 
 import pytest
 from hypothesis import given, settings
@@ -27,7 +27,7 @@ def test_spec_check_values(variant, rank, blocks, expected):
 
 
 def test_paper_table_standard_block8():
-    # SPEC §6 table: Standard Block N=8 adds 0.175 %.
+    # docs/method.md §6 table: Standard Block N=8 adds 0.175 %.
     assert round(added_flops_percent("attnres", blocks=8, **PAPER), 3) == 0.175
 
 

@@ -1,4 +1,4 @@
-"""Model properties for every variant (SPEC §1-4) against a slow loop written here."""
+"""Model properties for every variant (docs/method.md §1-4) against a slow loop written here."""
 
 import itertools
 import math
@@ -28,7 +28,7 @@ def slow_forward(model, tokens, n_blocks):
     """An obviously-correct LR-AttnRes forward: explicit source sets per site, explicit softmax.
 
     ``n_blocks`` (None = Full) is the block count the model was built with; the source sets are
-    derived here from SPEC §3, never from the model's router."""
+    derived here from docs/method.md §3, never from the model's router."""
     router = model.router
     variant, m = router.variant, router.num_sublayers
     layers = list(model.layers.values())
@@ -46,7 +46,7 @@ def slow_forward(model, tokens, n_blocks):
         if variant == "baseline":
             h = sum(outs)  # e + Σ o_j
             continue
-        # the source set of site j, straight from SPEC §3
+        # the source set of site j, straight from docs/method.md §3
         if n_blocks is None:
             members = [[i] for i in range(1, j + 1)]
         else:
@@ -103,7 +103,7 @@ def test_every_variant_matches_slow_loop(build, variant, source_set, backend):
 
 def test_slow_loop_tells_the_source_sets_apart(build):
     """The comparison above resolves source sets: the same weights read with another block
-    count give another answer (Full and N = 2L are the same sets, by SPEC §3)."""
+    count give another answer (Full and N = 2L are the same sets, by docs/method.md §3)."""
     model = build(flavor=THREE_LAYERS, variant="sliced", blocks=4, rank=5)
     tokens = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
