@@ -141,17 +141,31 @@ def _openmp_runtimes() -> set[str]:
 # ----------------------------------------------------------------------------- the entry points
 
 
+# Kept lean: cached decode makes ~100 one-token calls per generated token, a few µs each.
+_F32, _CPU = torch.float32, torch.device("cpu")
+
+
 def _threads(n: int) -> int:
+    if n < 2 * _MIN_TOKENS_PER_THREAD:
+        return 1
     return max(1, min(torch.get_num_threads(), n // _MIN_TOKENS_PER_THREAD))
 
 
 def _usable(*tensors) -> bool:
-    return ENABLED and all(t is None or (t.is_cpu and t.dtype == torch.float32) for t in tensors)
+    if not ENABLED:
+        return False
+    for t in tensors:
+        if t is not None and (t.dtype != _F32 or not t.is_cpu):
+            return False
+    return True
 
 
 def _empty(shape) -> torch.Tensor:
-    """An fp32 CPU buffer, whatever torch's default dtype and device."""
-    return torch.empty(shape, dtype=torch.float32, device="cpu")
+    """An fp32 CPU buffer, whatever torch's default dtype and device. The sizes go one by one:
+    torch.empty parses a torch.Size ~1 µs slower than ints, more than checking the buffer costs."""
+    if not len(shape):
+        return torch.empty((), dtype=_F32, device=_CPU)
+    return torch.empty(*shape, dtype=_F32, device=_CPU)
 
 
 def _rows(x):
@@ -169,12 +183,19 @@ def _flat(x):
     return None if x is None else x.contiguous()
 
 
-def _sources(values, keys) -> dict:
-    """The read kernels' source arguments: value and key rows (keys None: the values')."""
-    v2 = [_rows(v) for v in values]
-    k2 = v2 if keys is None else [_rows(k) for k in keys]
-    return dict(vp=[v for v, _ in v2], vs=[s for _, s in v2], kp=[k for k, _ in k2],
-                ks=[s for _, s in k2])  # fmt: skip
+def _row_table(xs) -> tuple[list, list]:
+    """``(tensors, row strides)`` of ``_rows(x)`` for each x of ``xs``."""
+    if all(map(torch.Tensor.is_contiguous, xs)):  # the common case, without a call per x
+        return list(xs), [x.shape[-1] for x in xs]
+    pairs = [_rows(x) for x in xs]
+    return [x for x, _ in pairs], [stride for _, stride in pairs]
+
+
+def _sources(values, keys) -> tuple:
+    """The read kernels' source arguments ``(vp, vs, kp, ks)``: value and key rows and their
+    strides (keys None: the values')."""
+    vp, vs = _row_table(values)
+    return (vp, vs, vp, vs) if keys is None else (vp, vs, *_row_table(keys))
 
 
 def read_fwd(values, keys, queries, eps: float):
@@ -186,8 +207,9 @@ def read_fwd(values, keys, queries, eps: float):
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
     out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
+    vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_fwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
-         **_sources(values, keys), q=q, eps=float(eps), out=out, lse=lse,
+         vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), out=out, lse=lse,
          threads=_threads(n))  # fmt: skip
     return out, lse
 
@@ -218,19 +240,20 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     gv = [_empty(shape) for _ in values]
     gk = None if keys is None else [_empty(k.shape) for k in keys]
     dq = _empty((nc, rank))
+    vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
-         **_sources(values, keys), q=q, eps=float(eps), lse=_flat(lse),
+         vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), lse=_flat(lse),
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
          dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
 
 
-def _merge_inputs(out1, partial_value, partial_key, rank) -> dict:
-    """The merge kernels' row arguments; the partial key is the partial value's last ``rank``
-    columns when sliced."""
+def _merge_inputs(out1, partial_value, partial_key, rank) -> tuple:
+    """The merge kernels' row arguments ``(o1, o1s, pv, pvs, pk, pks)``; the partial key is
+    the partial value's last ``rank`` columns when sliced."""
     (o1, o1s), (pv, pvs) = _rows(out1), _rows(partial_value)
     pk, pks = (At(pv, pv.shape[-1] - rank), pvs) if partial_key is None else _rows(partial_key)
-    return dict(o1=o1, o1s=o1s, pv=pv, pvs=pvs, pk=pk, pks=pks)
+    return o1, o1s, pv, pvs, pk, pks
 
 
 def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_norm: bool):
@@ -242,9 +265,9 @@ def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_no
     rank, n = q.shape[-1], lse.numel()
     h = _empty(shape)
     norm = _empty(shape) if emit_norm else h.new_empty(0)
-    call(lib, "merge_fwd", n=n, d=d, r=rank,
-         **_merge_inputs(out1, partial_value, partial_key, rank), lse1=lse, q=q,
-         eps=float(eps), norm_eps=NORM_EPS, h=h, norm=norm if emit_norm else None,
+    o1, o1s, pv, pvs, pk, pks = _merge_inputs(out1, partial_value, partial_key, rank)
+    call(lib, "merge_fwd", n=n, d=d, r=rank, o1=o1, o1s=o1s, lse1=lse, pv=pv, pvs=pvs, pk=pk,
+         pks=pks, q=q, eps=float(eps), norm_eps=NORM_EPS, h=h, norm=norm if emit_norm else None,
          threads=_threads(n))  # fmt: skip
     return h, norm
 
@@ -261,10 +284,10 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     rank, n = q.shape[-1], lse.numel()
     d_o1, d_pv, d_lse = _empty(shape), _empty(shape), _empty(lse1.shape)
     d_pk = None if partial_key is None else _empty(partial_key.shape)
-    dq = _empty(rank)
-    call(lib, "merge_bwd", n=n, d=d, r=rank, sliced=int(partial_key is None),
-         **_merge_inputs(out1, partial_value, partial_key, rank), lse1=lse, q=q,
-         eps=float(eps), norm_eps=NORM_EPS, h=_flat(h), gh=_flat(grad_h), gn=_flat(grad_norm),
-         d_o1=d_o1, d_lse1=d_lse, d_pv=d_pv, d_pk=d_pk, dq=dq,
-         threads=_threads(n))  # fmt: skip
+    dq = _empty((rank,))
+    o1, o1s, pv, pvs, pk, pks = _merge_inputs(out1, partial_value, partial_key, rank)
+    call(lib, "merge_bwd", n=n, d=d, r=rank, sliced=int(partial_key is None), o1=o1, o1s=o1s,
+         lse1=lse, pv=pv, pvs=pvs, pk=pk, pks=pks, q=q, eps=float(eps), norm_eps=NORM_EPS,
+         h=_flat(h), gh=_flat(grad_h), gn=_flat(grad_norm), d_o1=d_o1, d_lse1=d_lse, d_pv=d_pv,
+         d_pk=d_pk, dq=dq, threads=_threads(n))  # fmt: skip
     return d_o1, d_lse, d_pv, d_pk, dq

@@ -6,6 +6,7 @@ layout, size), so that a slip raises instead of corrupting memory."""
 from __future__ import annotations
 
 import ctypes
+import operator
 import re
 from typing import NamedTuple
 
@@ -85,6 +86,9 @@ def _spelt(params) -> list[str]:
 
 
 # ------------------------------------------------------------------------- checked kernel calls
+# Cached decode makes ~100 one-token calls per generated token, so ``call`` is lean: what it checks
+# for a kernel and its integer arguments is worked out once (``_plan``), the common cases are
+# tested inline, and the full check (``_address``), with its messages, runs only for the others.
 
 
 class At(NamedTuple):
@@ -114,9 +118,9 @@ class _Rows(NamedTuple):
 
 
 class _Strides(NamedTuple):
-    """A table of ``count`` row strides (int64)."""
+    """A table of ``table`` row strides (int64)."""
 
-    count: int
+    table: int
 
 
 def _memory(kernel: str, a: dict) -> dict:
@@ -140,6 +144,37 @@ def _memory(kernel: str, a: dict) -> dict:
     return {**kept, "gh": _Flat(n * d, null=True), "gn": _Flat(n * d, null=True), **grads}
 
 
+_F32, _Tensor = torch.float32, torch.Tensor
+_LAYOUTS: dict = {}  # kernel: its SIGNATURES entry, getters of its arguments, its plans
+
+
+def _plan(kernel: str, params, ints: tuple) -> tuple:
+    """Checks ``kernel``'s integer arguments ``ints`` (>= 0, threads >= 1; a ValueError) and
+    gives each pointer's ``(position, need, size, width, room)`` for ``call``'s inline test: a
+    plain contiguous tensor of at least ``size`` elements (None: no such test), flat from its
+    start (``width`` None) or rows ``width`` apart (the stride argument) from a column <= room."""
+    names = [name for name, t in params if t in (_I, _N)]
+    for name, value in zip(names, ints):
+        if value < (name == "threads"):
+            raise ValueError(f"{kernel} argument {name}: {value}")
+    a = dict(zip(names, ints))
+    memory, plan = _memory(kernel, a), []
+    for i, (name, t) in enumerate(params):
+        if t is _P:
+            need, size, width, room = memory[name], None, None, None
+            if need.__class__ is _Flat and not need.table:
+                size = need.size
+            elif need.__class__ is _Rows and not need.table and a.get(need.stride, 0) > 0:
+                width = a[need.stride]
+                size, room = need.rows * width, width - need.width
+            plan.append((i, need, size, width, room))
+    return tuple(plan)
+
+
+class _Refused(ValueError):
+    """What is wrong with an argument: the text after its name (``": ..."``, ``"[i]: ..."``)."""
+
+
 def call(lib, kernel: str, /, **args) -> None:
     """Runs ``kernel`` of ``lib`` with ``args`` by name, passed in the order of ``SIGNATURES``.
 
@@ -149,85 +184,111 @@ def call(lib, kernel: str, /, **args) -> None:
     on the CPU, contiguous or rows of unit column stride, large enough; a ValueError naming the
     argument otherwise (a TypeError for a missing or unknown argument)."""
     params = SIGNATURES[kernel]
-    if args.keys() != {name for name, _ in params}:
+    if (layout := _LAYOUTS.get(kernel)) is None or layout[0] is not params:
+        in_order = operator.itemgetter(*(name for name, _ in params))
+        ints = operator.itemgetter(*(i for i, (_, t) in enumerate(params) if t in (_I, _N)))
+        layout = _LAYOUTS[kernel] = (params, in_order, ints, {})
+    _, in_order, ints, plans = layout
+    try:
+        if len(args) != len(params):
+            raise KeyError(kernel)
+        ordered = list(in_order(args))
+    except KeyError:
         names = [name for name, _ in params]
         missing = [name for name in names if name not in args]
         unknown = [name for name in args if name not in names]
-        raise TypeError(f"{kernel}: missing arguments {missing}, unknown {unknown}")
-    memory = _memory(kernel, args)
-    ordered = []
-    for name, ctype in params:
-        value = args[name]
-        if ctype is _P:
-            value = _pointer(f"{kernel} argument {name}", value, memory[name], args)
-        elif ctype is not _D and value < (1 if name == "threads" else 0):
-            raise ValueError(f"{kernel} argument {name}: {value}")
-        ordered.append(value)
+        raise TypeError(f"{kernel}: missing arguments {missing}, unknown {unknown}") from None
+    if (plan := plans.get(key := ints(ordered))) is None:
+        if len(plans) >= 256:  # a decode step repeats the same few
+            plans.clear()
+        plan = plans[key] = _plan(kernel, params, key)
+    try:
+        for i, need, size, width, room in plan:
+            x, offset = ordered[i], 0
+            if x.__class__ is At:
+                x, offset = x
+            if (size is not None and x.__class__ is _Tensor and x.dtype == _F32 and x.is_cpu
+                    and x.is_contiguous() and x.numel() >= size
+                    and (offset == 0 if width is None
+                         else x.dim() and x.shape[-1] == width and 0 <= offset <= room)
+                    ):  # fmt: skip
+                ordered[i] = x.data_ptr() + 4 * offset  # fp32: 4 bytes
+            elif need.table or need.__class__ is _Strides:
+                ordered[i] = _table(ordered[i], need, args)
+            elif x is not None or need.__class__ is not _Flat or not need.null:  # else NULL
+                stride = args[need.stride] if need.__class__ is _Rows else None
+                ordered[i] = _address(ordered[i], need, stride)
+    except _Refused as e:
+        raise ValueError(f"{kernel} argument {params[i][0]}{e}") from None
     getattr(lib, kernel)(*ordered)
 
 
-def _pointer(where: str, value, need, args: dict):
-    """The address (or ctypes table of addresses) ``value`` stands for, once checked."""
-    if isinstance(need, _Strides):
-        if not isinstance(value, (list, tuple)) or len(value) != need.count:
-            raise ValueError(f"{where}: wants a list of {need.count} row strides")
-        return (_I * need.count)(*value)
-    stride = args[need.stride] if isinstance(need, _Rows) else None
-    if not need.table:
-        return _address(where, value, need, stride)
-    if value is None and getattr(need, "null", False):
+def _table(value, need, args: dict):
+    """The ctypes table of addresses or row strides ``value`` stands for, once checked against
+    ``need``; _Refused otherwise."""
+    n = need.table
+    if need.__class__ is _Strides:
+        if not isinstance(value, (list, tuple)) or len(value) != n:
+            raise _Refused(f": wants a list of {n} row strides")
+        return (_I * n)(*value)
+    if value is None and need.__class__ is _Flat and need.null:
         return None
-    if not isinstance(value, (list, tuple)) or len(value) != need.table:
-        raise ValueError(f"{where}: wants a list of {need.table} tensors")
-    if stride is not None and (not isinstance(stride, (list, tuple)) or len(stride) != need.table):
-        raise ValueError(f"{where}: wants a list of {need.table} row strides in {need.stride}")
-    return (_P * need.table)(
-        *(
-            _address(f"{where}[{i}]", x, need, None if stride is None else stride[i])
-            for i, x in enumerate(value)
-        )
-    )
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise _Refused(f": wants a list of {n} tensors")
+    if need.__class__ is _Flat:
+        strides, size, width = (None,) * n, need.size, None
+    elif isinstance(strides := args[need.stride], (list, tuple)) and len(strides) == n:
+        size, width = need.rows, need.width
+    else:
+        raise _Refused(f": wants a list of {n} row strides in {need.stride}")
+    addresses = []
+    for x, s in zip(value, strides):
+        if (x.__class__ is _Tensor and x.dtype == _F32 and x.is_cpu and x.is_contiguous()
+                and (x.numel() >= size if width is None
+                     else x.dim() and x.shape[-1] == s and 0 < s and width <= s
+                     and x.numel() >= size * s)):  # fmt: skip
+            addresses.append(x.data_ptr())  # the common case inline, as in call
+            continue
+        try:
+            addresses.append(_address(x, need, s))
+        except _Refused as e:
+            raise _Refused(f"[{len(addresses)}]{e}") from None
+    return (_P * n)(*addresses)
 
 
-def _address(where: str, value, need, stride: int | None) -> int | None:
+def _address(value, need, stride: int | None) -> int | None:
+    """The address of one tensor (or ``At``) once checked against ``need`` (``stride``: the row
+    stride argument, for rows); None for None where NULL is allowed; _Refused otherwise."""
     if value is None:
-        if getattr(need, "null", False):
+        if need.__class__ is _Flat and need.null:
             return None
-        raise ValueError(f"{where}: None, where the kernel reads or writes")
+        raise _Refused(": None, where the kernel reads or writes")
     x, offset = value if isinstance(value, At) else (value, 0)
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{where}: a {type(x).__name__}, not a tensor")
-    if x.dtype != torch.float32:
-        raise ValueError(f"{where}: dtype {x.dtype}, the kernel takes torch.float32")
-    if x.device.type != "cpu":
-        raise ValueError(f"{where}: on {x.device}, the kernel takes CPU memory")
-    if isinstance(need, _Flat):
+    if not isinstance(x, _Tensor):
+        raise _Refused(f": a {type(x).__name__}, not a tensor")
+    if x.dtype != _F32:
+        raise _Refused(f": dtype {x.dtype}, the kernel takes torch.float32")
+    if not x.is_cpu:
+        raise _Refused(f": on {x.device}, the kernel takes CPU memory")
+    if need.__class__ is _Flat:
         if not x.is_contiguous():
-            raise ValueError(
-                f"{where}: strides {x.stride()} of shape {tuple(x.shape)}: not contiguous"
-            )
+            raise _Refused(f": strides {x.stride()} of shape {tuple(x.shape)}: not contiguous")
         if not 0 <= offset <= x.numel() - need.size:
             have = x.numel() - offset
-            raise ValueError(
-                f"{where}: {have} elements from the address, the kernel reaches {need.size}"
-            )
-    else:
-        n, width, row_stride = _row_layout(where, x)
-        if n < need.rows or not 0 <= offset <= width - need.width:
-            raise ValueError(
-                f"{where}: {n} rows of {width} (from column {offset}), the kernel reads "
-                f"{need.rows} of {need.width}"
-            )
-        if need.rows > 1 and stride != row_stride:
-            raise ValueError(f"{where}: rows {row_stride} apart, the stride argument is {stride}")
-    return x.data_ptr() + 4 * offset  # fp32: 4 bytes
-
-
-def _row_layout(where: str, x: torch.Tensor) -> tuple[int, int, int]:
-    """``(rows, width, row stride)`` of x read as rows of unit column stride."""
+            raise _Refused(f": {have} elements from the address, the kernel reaches {need.size}")
+        return x.data_ptr() + 4 * offset  # fp32: 4 bytes
     width = x.shape[-1] if x.dim() else 0
-    if x.dim() and x.is_contiguous():
-        return (x.numel() // width if width else 0), width, width
-    if x.dim() == 2 and (x.stride(1) == 1 or width == 1):
-        return x.shape[0], width, x.stride(0)
-    raise ValueError(f"{where}: strides {x.stride()} of shape {tuple(x.shape)}: not rows")
+    if x.dim() and x.is_contiguous():  # (rows, width, row stride) of x read as rows
+        n, row_stride = (x.numel() // width if width else 0), width
+    elif x.dim() == 2 and (x.stride(1) == 1 or width == 1):
+        n, row_stride = x.shape[0], x.stride(0)
+    else:
+        raise _Refused(f": strides {x.stride()} of shape {tuple(x.shape)}: not rows")
+    if n < need.rows or not 0 <= offset <= width - need.width:
+        raise _Refused(
+            f": {n} rows of {width} (from column {offset}), the kernel reads {need.rows} of "
+            f"{need.width}"
+        )
+    if need.rows > 1 and stride != row_stride:
+        raise _Refused(f": rows {row_stride} apart, the stride argument is {stride}")
+    return x.data_ptr() + 4 * offset

@@ -376,6 +376,119 @@ def test_arguments_go_by_name_only():
     assert lib.calls == []
 
 
+class _Recorder:
+    """A stand-in library: keeps the arguments of each kernel call (a table as a list)."""
+
+    def __init__(self):
+        self.args = []
+
+    def __getattr__(self, name):
+        def run(*args):
+            self.args.append([list(a) if isinstance(a, ctypes.Array) else a for a in args])
+
+        return run
+
+
+def _outcome(kernel: str, args: dict):
+    """What ``calls.call`` passes to C (the arguments, addresses included), or its ValueError."""
+    lib = _Recorder()
+    try:
+        calls.call(lib, kernel, **args)
+    except ValueError as e:
+        return str(e)
+    return lib.args
+
+
+class _AnyTensorMeta(type):
+    def __instancecheck__(cls, x):
+        return isinstance(x, torch.Tensor)
+
+
+class _AnyTensor(metaclass=_AnyTensorMeta):
+    """Stands for torch.Tensor in ``calls``: every tensor is an instance, but none has it as its
+    class, so ``call`` skips its inline tests of the common cases and checks each tensor in full."""
+
+
+def _stand_ins(rows: int, width: int) -> dict:
+    """Right and wrong values for an argument read as ``rows`` fp32 rows of ``width``."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(rows, width, generator=g)
+    wide = torch.randn(rows, width + 3, generator=g)
+    return {
+        "rows": x, "3-D": x[None], "1-D": x.reshape(-1), "fewer rows": x[:-1],
+        "more rows": torch.randn(rows + 2, width), "a view": x.new_empty(rows + 1, width)[1:],
+        "padded rows": wide[:, :width], "narrow": x[:, :-1], "transposed": x.t(),
+        "column stride": _columns(x, 2), "0-D": torch.randn((), generator=g),
+        "no columns": torch.randn(rows, 0), "a parameter": torch.nn.Parameter(x),
+        "float64": x.double(), "meta": x.to("meta"), "at 0": calls.At(x, 0),
+        "at column 3 of wider rows": calls.At(wide, 3), "at -1": calls.At(x, -1),
+        "at 1": calls.At(x, 1), "None": None, "a list": x.tolist(),
+    }  # fmt: skip
+
+
+INLINE_CASES = {  # kernel (rank), argument, its rows and width, its stride argument, strides
+    "o1": ("merge_fwd", 4, "o1", 5, 16, "o1s", (16, 19, 8, 0)),
+    "pk": ("merge_fwd", 4, "pk", 5, 4, "pks", (4, 7, 16)),
+    "pk, r = 0": ("merge_fwd", 0, "pk", 5, 0, "pks", (0, 3)),
+    "h": ("merge_fwd", 4, "h", 5, 16, None, ()),
+    "lse1": ("merge_fwd", 4, "lse1", 1, 5, None, ()),
+    "norm": ("merge_fwd", 4, "norm", 5, 16, None, ()),
+    "out": ("read_fwd", 3, "out", 12, 8, None, ()),
+    "vp[1]": ("read_fwd", 3, "vp", 6, 8, "vs", (8, 11, 4)),
+    "kp[2]": ("read_fwd", 3, "kp", 6, 3, "ks", (3, 6)),
+    "kp[2], r = 0": ("read_fwd", 0, "kp", 6, 0, "ks", (0, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(INLINE_CASES))
+def test_the_inline_checks_are_the_full_checks(monkeypatch, case):
+    """``call`` accepts the common cases inline (a plain contiguous fp32 CPU tensor): for right
+    and wrong tensors, row strides and table entries, it passes the same addresses, or raises the
+    same error, as when every tensor goes through the full check."""
+    kernel, rank, name, rows, width, stride_name, strides = INLINE_CASES[case]
+    args = _merge_fwd_args(r=rank) if kernel == "merge_fwd" else _read_fwd_args(r=rank)
+    entry = {"vp": 1, "kp": 2}.get(name)
+    for label, value in _stand_ins(rows, width).items():
+        for stride in strides or (None,):
+            changed = dict(args)
+            if entry is None:
+                changed[name] = value
+                if stride is not None:
+                    changed[stride_name] = stride
+            else:
+                changed[name] = [value if i == entry else v for i, v in enumerate(args[name])]
+                changed[stride_name] = [stride if i == entry else s
+                                        for i, s in enumerate(args[stride_name])]  # fmt: skip
+            inline = _outcome(kernel, changed)
+            with monkeypatch.context() as m:
+                m.setattr(calls, "_Tensor", _AnyTensor)
+                full = _outcome(kernel, changed)
+            assert inline == full, (label, stride)
+
+
+@pytest.mark.parametrize("sizes", [dict(sources=0), dict(queries=0), dict(n=0), dict(r=0)])
+def test_empty_sizes_are_checked_alike(monkeypatch, sizes):
+    """No source, query, token or key dim: the call goes through or raises a ValueError, the same
+    with and without the inline checks."""
+    args = _read_fwd_args(**sizes)
+    with monkeypatch.context() as m:
+        m.setattr(calls, "_Tensor", _AnyTensor)
+        full = _outcome("read_fwd", args)
+    assert _outcome("read_fwd", args) == full
+
+
+def test_a_changed_table_is_followed(monkeypatch):
+    """``call`` keeps how it walks each kernel's table; a new table is walked anew."""
+    lib, args = _Recorder(), _merge_fwd_args()
+    calls.call(lib, "merge_fwd", **args)
+    swapped = _swapped(calls.SIGNATURES["merge_fwd"], "eps", "norm_eps")
+    monkeypatch.setitem(calls.SIGNATURES, "merge_fwd", swapped)
+    calls.call(lib, "merge_fwd", **{**args, "eps": 1.0, "norm_eps": 2.0})
+    names = [name for name, _ in swapped]
+    assert (lib.args[1][names.index("eps")], lib.args[1][names.index("norm_eps")]) == (1.0, 2.0)
+    assert lib.args[0][names.index("eps")] == lib.args[0][names.index("norm_eps")] == DEFAULT_EPS
+
+
 def test_a_wrongly_allocated_buffer_raises_instead_of_a_wrong_answer(monkeypatch):
     """What the entry points prepare themselves is checked too: buffers allocated in float64
     (the default-dtype slip) raise a ValueError rather than come back with garbage."""
