@@ -12,52 +12,62 @@ image lacks and calls this). Sections, in order; each writes its result or its e
 4. ``trainer``: ``python -m titan_lrattnres.train cpu_smoke`` for 3 steps + validation.
    Sections 3 and 4 are subprocesses started first: their ~20 s of start-up overlaps sections
    1-2, which time nothing.
-5. ``op_bandwidth``: ``benchmarks.ops`` with the Triton backend, sliced keys r=64, d in {1024,
+5. ``memory``: ``torch.cuda.max_memory_allocated()`` of one real training step (forward,
+   chunked loss, backward, clipping, Muon + AdamW step; ``benchmarks.memory.measure_real``) per
+   variant (baseline, standard Block N=8 and Full, S-LR Block N=8 r=64, P-LR Block N=8 r=32) at
+   the paper's shape on one GPU: ``paper_0p5b``, T=2048, local batch 4, bf16 parameters with
+   fp32 masters, no AC, eager sublayers, one process (FSDP2 over a one-rank group: the
+   benchmark's own path at FSDP size 1), beside ``python -m benchmarks.memory``'s prediction
+   for the same case (fake tensors on the CPU, a subprocess started with sections 3-4);
+   ``measured_over_predicted`` per variant.
+6. ``op_bandwidth``: ``benchmarks.ops`` with the Triton backend, sliced keys r=64, d in {1024,
    4096} x S in {5, 9, 17, 49}, 16k tokens, bf16: GB/s of the minimal bytes and their share of
    the copy bandwidth measured in the same run.
-6. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model at L=24 d=1024 T=2048
+7. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model at L=24 d=1024 T=2048
    (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled) per
    variant, forward + backward (no optimizer: the step of the CPU bars), ratio to the baseline
    within each round, median over rounds.
-7. ``decode``: ``benchmarks.decode.measure`` on ``cpu_small`` (d=128, L=4; fp32, eager, the
+8. ``decode``: ``benchmarks.decode.measure`` on ``cpu_small`` (d=128, L=4; fp32, eager, the
    Triton depth reads): prefill of 1x256 and 8x256 prompts, then 32 KV-cached greedy steps, per
    variant (baseline, standard Block N=4 and Full, S-LR and P-LR Block N=4 r=32), 5 rounds;
    ``decode_ratio``: per-token decode latency over the baseline's (median over rounds).
-8. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
+9. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
    backward, on the shapes each supports, with agreement vs our reference (skipped on CPU).
-9. ``step_ratios_cuda_graphs``: section 6 with the whole step captured in a CUDA graph; last,
+10. ``step_ratios_cuda_graphs``: section 7 with the whole step captured in a CUDA graph; last,
    since a failed capture may leave the CUDA context unusable.
 
 Targets, stated in the JSON (``targets``) against the numbers of the same run: read forward >= 90 %
 and forward + backward >= 75 % of the copy bandwidth (every op_bandwidth row); step overhead
-<= 3 % sliced Block N=8 r=64 and <= 5 % projected Block N=8 r=32 (sections 6 and 8); ours faster
+<= 3 % sliced Block N=8 r=64 and <= 5 % projected Block N=8 r=32 (sections 7 and 10); ours faster
 than every peer on every shape both support. Targets do not set the exit status; a section's
 error and a failed parity do.
 
-Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` gives Python the end of its 345 s
-and kills it at 360 s): the GPU work itself is seconds (a 16k-token read moves 0.3-3 GB at ~4
-TB/s: < 1 ms; a paper-shape step is ~10-50 ms), so sections are sized by compilation, each under
-a cap (``CAPS``, a hard stop). ops_check: opcheck runs each op ~5 times through aot_dispatch and
-the compiled impl is inductor-compiled per shape (cap 60 s). grad_parity: the Triton backend only
-on GPU (the compiled one is covered on CPU by the tests; on CUDA its 8 inductor compiles would
-cost ~1 min); 1,200 tokens, d=1000 (odd sizes): milliseconds. op_bandwidth: Triton only (the
-compiled backend's inductor compiles cost ~1 min and carry no target), 20 timed calls per shape
-between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 8 shapes x a few Triton
-compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targets (standard
-Block N=8 and Full have none and would add ~40 s of compile each); inductor compiling the
-sublayer graphs dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x
-<= 50 ms = 3 s of timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to
-a few tenths of a point (cap 150 s). decode: a step of the tiny model is a few hundred kernel
-launches (~1-2 ms), 5 rounds x 5 variants x 2 batches x (prefill + 32 steps) ~ 3-5 s; the Triton
-reads compile once per key shape (~10-20 s; cap 45 s, taken from what peers would get). peers:
-they autotune on the first call (liger none, flash-attn-res ~20 configs, fla-core 58,
-fast-attnres ~106 per rank), ~0.5 s per config, left as shipped (pruning their configs would
-handicap them); rows run cheapest first, r=64 before r=d, shape (d=1024, S=9: the paper's Block
-N=8 read) before (4096, 9) and (1024, 17), until the deadline less section 9's cap; the rest
-are reported as skipped (``--sections peers`` alone gives them ~5 min). step_ratios_cuda_graphs
-re-uses section 6's compiled graphs (dynamo and this run's inductor cache): capture + 10 rounds
-(cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes, eager sublayers) runs every section in
-~30-60 s on 2 cores.
+Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` gives Python the end of its 345 s and
+kills it at 360 s): the GPU work itself is seconds (a 16k-token read moves 0.3-3 GB at ~4 TB/s: < 1
+ms; a paper-shape step is ~10-50 ms), so sections are sized by compilation, each under a cap
+(``CAPS``, a hard stop). ops_check: opcheck runs each op ~5 times through aot_dispatch and the
+compiled impl is inductor-compiled per shape (cap 60 s). memory: the prediction is ~10 s of Python
+dispatch per variant on one CPU core (~50 s from the start, beside sections 1-4); each GPU step
+builds the model (~1 s), compiles its variant's Triton depth reads on first use (estimate 5-10 s)
+and runs in ~0.1 s (cap 60 s; the variants done by then are reported). grad_parity: the Triton
+backend only on GPU (the compiled one is covered on CPU by the tests; on CUDA its 8 inductor
+compiles would cost ~1 min); 1,200 tokens, d=1000 (odd sizes): milliseconds. op_bandwidth: Triton
+only (the compiled backend's inductor compiles cost ~1 min and carry no target), 20 timed calls per
+shape between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 8 shapes x a few Triton
+compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targets (standard Block
+N=8 and Full have none and would add ~40 s of compile each); inductor compiling the sublayer graphs
+dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x <= 50 ms = 3 s of
+timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to a few tenths of a
+point (cap 150 s). decode: a step of the tiny model is a few hundred kernel launches (~1-2 ms), 5
+rounds x 5 variants x 2 batches x (prefill + 32 steps) ~ 3-5 s; the Triton reads compile once per
+key shape (~10-20 s; cap 45 s, taken from what peers would get). peers: they autotune on the first
+call (liger none, flash-attn-res ~20 configs, fla-core 58, fast-attnres ~106 per rank), ~0.5 s per
+config, left as shipped (pruning their configs would handicap them); rows run cheapest first, r=64
+before r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9) and (1024, 17), until
+the deadline less section 10's cap; the rest are reported as skipped (``--sections peers`` alone
+gives them ~5 min). step_ratios_cuda_graphs re-uses section 7's compiled graphs (dynamo and this
+run's inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes,
+eager sublayers) runs every section in ~30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -74,6 +84,7 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -83,7 +94,7 @@ from benchmarks import ops as op_bench
 
 DEADLINE_S = 330.0
 # Run in this order; "peers" gets what is left but the last section's cap.
-CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60,
+CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60, "memory": 60,
         "op_bandwidth": 45, "step_ratios": 150, "decode": 45, "peers": 330,
         "step_ratios_cuda_graphs": 60}  # fmt: skip
 VARIANTS = ("baseline", "sliced8_r64", "projected8_r32")
@@ -173,6 +184,66 @@ def graph_finish(res, started, timeout):
         res.update(json.loads(out.read_text()))
     elif "error" not in res:
         res["error"] = "no result written: " + "\n".join(tail[-8:])
+
+
+def _memory_cases(dry: bool) -> list:
+    """``benchmarks.memory`` cases of the memory section (the dry run: debug flavor, fp32)."""
+    from benchmarks import memory
+
+    shape = (dict(flavor="debug", seq=64, batch=2, dtype="fp32", implementation="foreach")
+             if dry else dict(flavor="paper_0p5b", seq=2048, batch=4, dtype="bf16"))  # fmt: skip
+    return [(n, memory.Case.named(n, ac="none", fsdp=1, **shape)) for n in memory.DEFAULT_VARIANTS]
+
+
+def memory_start(tmp: Path, dry: bool) -> dict:
+    """The memory section's prediction (fake tensors, CPU), started with sections 3-4."""
+    _, case = _memory_cases(dry)[0]
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--flavor", case.flavor,
+           "--seq", str(case.seq), "--batch", str(case.batch), "--dtype", case.dtype,
+           "--implementation", case.implementation, "--ac", "none", "--fsdp", "1",
+           "--variants", ",".join(n for n, _ in _memory_cases(dry)),
+           "--json", str(tmp / "memory_prediction.json")]  # fmt: skip
+    return start("memory", cmd, tmp)
+
+
+def memory_section(res, started, device, timeout):
+    """Each variant's real step (measured peak), then the prediction, the ratio per variant."""
+    from benchmarks import memory
+
+    end = time.perf_counter() + timeout
+    dry = device.type != "cuda"
+    cases = _memory_cases(dry)
+    shape = {k: v for k, v in asdict(cases[0][1]).items()
+             if k not in ("variant", "blocks", "block_layers", "rank")}  # fmt: skip
+    res["config"] = dict(shape, variants=[n for n, _ in cases],
+                         prediction=" ".join(started["cmd"][1:]))  # fmt: skip
+    unit, div = ("MiB", 2**20) if dry else ("GiB", 2**30)
+    rows = res["rows"] = {}
+    for name, case in cases:  # stored one by one: a cap leaves the variants done
+        real = memory.measure_real(case, str(device))
+        rows[name] = {k: real[k] for k in ("measured_peak", "measured_by", "seconds")}
+        rows[name].update(tracker_real_peak=real["peak"], tracker_real_at_peak=real["at_peak"])
+        print(f"[memory] {name}: {real['measured_peak'] / div:.2f} {unit} measured "
+              f"({real['seconds']:.1f} s)", flush=True)  # fmt: skip
+    pred = res["prediction"] = {}
+    tail = finish(pred, started, end - time.perf_counter())
+    out = Path(started["cmd"][-1])
+    if "error" in pred or not out.exists():
+        raise RuntimeError("prediction failed: " + pred.get("error", "\n".join(tail[-8:])))
+    for r in json.loads(out.read_text())["rows"]:
+        row = rows[r["name"]]
+        row.update(predicted_peak=r["peak"], predicted_at_peak=r["at_peak"],
+                   predicted_optimizer=r["optimizer"])  # fmt: skip
+        row["measured_over_predicted"] = row["measured_peak"] / r["peak"]
+        row["tracker_real_over_predicted"] = row["tracker_real_peak"] / r["peak"]
+    res["measured_over_predicted"] = {
+        n: round(r["measured_over_predicted"], 4) for n, r in rows.items()
+    }
+    lines = [f"{'variant':<16}{'predicted ' + unit:>16}{'measured ' + unit:>16}{'ratio':>8}"]
+    for n, r in rows.items():
+        lines.append(f"{n:<16}{r['predicted_peak'] / div:>16.2f}{r['measured_peak'] / div:>16.2f}"
+                     f"{r['measured_over_predicted']:>8.3f}")  # fmt: skip
+    res["table"] = "\n".join(lines)
 
 
 def op_bandwidth(res, device, dry):
@@ -315,6 +386,8 @@ def main(argv=None):
         bg["trainer"] = trainer_start(tmp)
     if "graph_parity" in wanted:
         bg["graph_parity"] = graph_start(tmp, dry)
+    if "memory" in wanted:
+        bg["memory"] = memory_start(tmp, dry)
 
     def wait_for(name):  # 2 s inside the section's cap, so the wait ends before the alarm
         return min(CAPS[name], deadline - time.perf_counter()) - 2
@@ -327,6 +400,7 @@ def main(argv=None):
         "grad_parity": lambda res: res.update(gpu_parity.grad_parity(device, dry)),
         "graph_parity": lambda res: graph_finish(res, bg["graph_parity"], wait_for("graph_parity")),
         "trainer": lambda res: trainer_finish(res, bg["trainer"], wait_for("trainer")),
+        "memory": lambda res: memory_section(res, bg["memory"], device, wait_for("memory")),
         "op_bandwidth": lambda res: op_bandwidth(res, device, dry),
         "step_ratios": lambda res: step_ratios(res, device, dry, cuda_graphs=False),
         "decode": lambda res: decode(res, device, dry),
@@ -384,6 +458,9 @@ def report(result, wanted):
     for name in ("step_ratios", "step_ratios_cuda_graphs"):
         if "table" in result.get(name, {}):
             print(f"{name}: {result[name]['config']}\n{result[name]['table']}")
+    if "table" in result.get("memory", {}):
+        print(f"memory: peak of one training step, {result['memory']['config']}\n"
+              f"{result['memory']['table']}")  # fmt: skip
     if "table" in result.get("decode", {}):
         print(f"decode: {result['decode']['config']}\n{result['decode']['table']}")
     if "rows" in result.get("peers", {}):

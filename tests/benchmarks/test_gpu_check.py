@@ -17,7 +17,7 @@ from titan_lrattnres.components import data
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "benchmarks" / "torch_compat"
-SECTIONS = ["ops_check", "grad_parity", "graph_parity", "trainer", "op_bandwidth",
+SECTIONS = ["ops_check", "grad_parity", "graph_parity", "trainer", "memory", "op_bandwidth",
             "step_ratios", "decode", "step_ratios_cuda_graphs", "peers"]  # fmt: skip
 
 
@@ -59,6 +59,12 @@ def test_dry_run_runs_every_section(tmp_path):
     assert "CUDA" in r["graph_parity"]["skipped"]
     assert "CUDA" in r["step_ratios_cuda_graphs"]["skipped"]
     assert r["trainer"]["rc"] == 0 and r["trainer"]["summary"]["steps"] == 3
+    # memory: every variant's real step beside the prediction (on the CPU the real peak is the
+    # profiler's count of allocations, which the prediction matches within 1 %)
+    mem = r["memory"]["measured_over_predicted"]
+    assert list(mem) == ["baseline", "block8", "sliced8_r64", "projected8_r32", "full"]
+    assert all(abs(ratio - 1) < 0.01 for ratio in mem.values()), mem
+    assert r["memory"]["prediction"]["rc"] == 0 and "predicted MiB" in r["memory"]["table"]
     assert set(r["step_ratios"]["overhead_pct"]) == {"sliced8_r64", "projected8_r32"}
     for v, (lo, hi) in r["step_ratios"]["overhead_ci95_pct"].items():
         assert lo <= r["step_ratios"]["overhead_pct"][v] <= hi

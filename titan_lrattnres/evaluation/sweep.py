@@ -13,8 +13,14 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
   cross-entropy over ``--val-batches`` batches of the run's ``[local_batch_size, seq_len]``,
   reported as mean ± 1.96·std/sqrt(n) (falls back to the trainer's ``final_val_loss``, no CI,
   when no validation text is available);
-- added FLOPs % (SPEC §5, ``titan_lrattnres.model.flops.added_flops_percent``), parameters,
-  tokens/s and peak memory (the run's ``summary.json``).
+- added FLOPs % (SPEC §5, ``titan_lrattnres.model.flops.added_flops_percent``), parameters and
+  tokens/s (the run's ``summary.json``);
+- peak memory per rank of one training step as ``python -m benchmarks.memory`` predicts it for
+  the run's shape (flavor, variant, blocks, rank, seq, local batch; AC mode, parameter dtype,
+  optimizer and loss of the run's config; FSDP size = its data-parallel degree), computed once
+  per distinct shape (``--no-memory``: not at all). The process's peak RSS, which the trainer
+  writes into ``summary.json`` (``peak_rss_mib``: the whole process, allocator caches and
+  libraries included), stays in ``sweep.json`` as ``peak_rss_mib``.
 
 Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
 FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
@@ -175,8 +181,91 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
         "added_flops_pct": added,
         "params": ev.get("params", summary.get("params")),
         "tokens_per_s": summary.get("tokens_per_s"),
-        "peak_mem_mib": summary.get("peak_rss_mib"),
+        "peak_rss_mib": summary.get("peak_rss_mib"),
+        "memory_case": memory_case(name, summary),
     }
+
+
+_AC_MODES = {None: "none", "SelectiveAC": "selective", "FullAC": "full"}
+
+
+def memory_case(name: str, summary: dict) -> dict | None:
+    """The fields of a ``benchmarks.memory.Case`` for a run: its shape from ``summary`` (what
+    it ran with, command-line overrides included), AC mode, parameter dtype, optimizer and loss
+    from its config, FSDP size = world size / replicas. None where the benchmark does not model
+    the run (an unknown config or shape, tensor, pipeline or context parallel, another AC
+    mode)."""
+    if any(summary.get(k) is None for k in ("flavor", "variant", "seq_len", "local_batch_size")):
+        return None
+    try:
+        from train_configs import get_config
+
+        config = get_config(name)
+    except (ImportError, KeyError):
+        return None
+    par = config.parallelism
+    if max(par.tensor_parallel_degree, par.pipeline_parallel_degree,
+           par.context_parallel_degree) > 1:  # fmt: skip
+        return None
+    ac = config.activation_checkpoint
+    ac_mode = _AC_MODES.get(None if ac is None else type(ac).__qualname__.split(".")[0])
+    if ac_mode is None:
+        return None
+    muon = [g.optimizer_kwargs for g in config.optimizer.param_groups
+            if g.optimizer_name == "Muon"]  # fmt: skip
+    inner = getattr(config.loss, "loss_fn", config.loss)
+    world = summary.get("world_size") or 1
+    return {
+        "flavor": summary["flavor"],
+        "variant": summary["variant"],
+        "blocks": summary.get("blocks"),
+        "block_layers": summary.get("block_layers"),
+        "rank": summary.get("rank") or 64,
+        "seq": summary["seq_len"],
+        "batch": summary["local_batch_size"],
+        "ac": ac_mode,
+        "fsdp": max(world // max(par.data_parallel_replicate_degree, 1), 1),
+        "dtype": "bf16" if config.training.mixed_precision_param == "bfloat16" else "fp32",
+        "optimizer": "recipe" if muon else "adamw",
+        "ortho_dtype": muon[0].get("ortho_dtype", "bfloat16") if muon else "bfloat16",
+        "implementation": config.optimizer.implementation,
+        "z_loss": getattr(inner, "z_loss_weight", 0.0),
+        "loss_chunks": getattr(config.loss, "num_chunks", 8),
+        "max_norm": config.training.max_norm,
+    }
+
+
+def predict_memory(case: dict) -> dict:
+    """``benchmarks.memory.measure`` of a ``memory_case``: its peak and categories (bytes)."""
+    from benchmarks import memory
+
+    return memory.measure(memory.Case(**case))
+
+
+def attach_memory(rows: list[dict], predict=None, progress=print) -> None:
+    """``predicted_peak_mib`` (and ``predicted_memory``: the benchmark's figures, bytes) of every
+    row with a ``memory_case``, computed once per distinct case (``predict``, default
+    ``predict_memory``)."""
+    predict = predict or predict_memory
+    done: dict[str, dict | None] = {}
+    for r in rows:
+        case = r.get("memory_case")
+        if case is None or r.get("predicted_peak_mib") is not None:
+            continue
+        key = json.dumps(case, sort_keys=True)
+        if key not in done:
+            try:
+                done[key] = predict(case)
+            except Exception as e:  # noqa: BLE001 (the column shows "-"; the sweep goes on)
+                progress(f"{r['config']}: no memory prediction ({type(e).__name__}: {e})")
+                done[key] = None
+            else:
+                mib = done[key]["peak"] / 2**20
+                progress(f"{r['config']}: predicted peak {mib:,.0f} MiB per rank")
+        pred = done[key]
+        if pred is not None:
+            r["predicted_peak_mib"] = pred["peak"] / 2**20
+            r["predicted_memory"] = {k: pred[k] for k in ("peak", "at_peak", "max", "optimizer")}
 
 
 def add_paired_deltas(rows: list[dict]) -> None:
@@ -197,6 +286,9 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     its ``new`` row, then the new configs; deltas and extras are recomputed by ``write_report``."""
     fresh = {r["config"]: r for r in new}
     merged = [fresh.pop(r["config"], r) for r in old]
+    for r in merged:  # earlier sweeps named the process's peak RSS "peak_mem_mib"
+        if "peak_mem_mib" in r:
+            r.setdefault("peak_rss_mib", r.pop("peak_mem_mib"))
     return merged + list(fresh.values())
 
 
@@ -273,7 +365,7 @@ def markdown_table(rows: list[dict]) -> str:
     ]
     lines = [
         "| model | config | lr | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
-        "added FLOPs % | params | tokens/s | peak mem MiB |"
+        "added FLOPs % | params | tokens/s | predicted peak MiB/rank (benchmarks.memory) |"
         + "".join(f" {h} |" for _, h, _ in extras),
         "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extras),
     ]
@@ -288,7 +380,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"| {label(r)} | {r['config']} | {_fmt(r.get('lr'), 'g')} | {loss} | {delta} | "
             f"{_fmt(r['added_flops_pct'], '.3f')} | "
             f"{_fmt(r['params'], ',')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
-            f"{_fmt(r['peak_mem_mib'], ',.0f')} |"
+            f"{_fmt(r.get('predicted_peak_mib'), ',.0f')} |"
             + "".join(f" {_fmt(r.get(k), f)} |" for k, _, f in extras)
         )
     return "\n".join(lines) + "\n"
@@ -369,6 +461,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", help="JSON of python -m benchmarks.decode --json (columns)")
     p.add_argument("--longctx", help="longctx.json of python -m titan_lrattnres.longctx")
     p.add_argument("--merge", help="sweep.json of an earlier sweep: its rows join the table")
+    p.add_argument("--no-memory", action="store_true",
+                   help="no predicted peak memory column (benchmarks.memory)")  # fmt: skip
     ns, extra = p.parse_known_args(argv)
     out = Path(ns.out)
     names = [c for c in ns.configs.split(",") if c]
@@ -391,7 +485,7 @@ def main(argv=None) -> int:
             env = dict(
                 os.environ,
                 PYTHONPATH=os.pathsep.join(
-                    [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+                    [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
                 ),
             )
             if subprocess.run(cmd, env=env).returncode != 0 or not summary_file.is_file():
@@ -409,6 +503,8 @@ def main(argv=None) -> int:
         rows.append(make_row(name, summary, evaluation))
     if ns.merge and not ns.dry_run:
         rows = merge_rows(json.loads(Path(ns.merge).read_text()), rows)
+    if rows and not ns.no_memory:
+        attach_memory(rows)
     if rows:
         extras = [json.loads(Path(f).read_text()) if f else None for f in (ns.decode, ns.longctx)]
         write_report(rows, out, *extras)

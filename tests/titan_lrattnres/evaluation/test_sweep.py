@@ -50,7 +50,7 @@ def test_rows_table_and_plot(tmp_path):
     ]
     by = {r["config"]: r for r in rows}
     assert by["cpu_default_baseline"]["added_flops_pct"] == 0
-    # SPEC §5 at cpu_small (L=4, d=128, h=384): core = 4 (8·128² + 6·128·384) = 1,703,936;
+    # docs/method.md §5 at cpu_small (L=4, d=128, h=384): core = 4 (8·128² + 6·128·384) = 1,703,936;
     # S-LR Block N=4 r=32: read = 2·160·Σ|S_t| = 2·160·(4·7) = 8,960 -> 0.52584 %
     assert by["cpu_default_sliced"]["added_flops_pct"] == pytest.approx(100 * 8960 / 1703936)
     assert by["cpu_default_attnres"]["rank"] == 128
@@ -67,7 +67,22 @@ def test_rows_table_and_plot(tmp_path):
     assert "± 1.96" in (tmp_path / "sweep.md").read_text()
 
 
-def test_main_reuses_finished_runs_and_falls_back_to_trainer_loss(tmp_path, capsys):
+@pytest.fixture
+def predictions(monkeypatch):
+    """``benchmarks.memory`` replaced by a stand-in (seconds per shape): the cases it was asked
+    for, a peak of 100 MiB x the local batch."""
+    asked = []
+
+    def predict(case):
+        asked.append(case)
+        mib = 100 * 2**20 * case["batch"]
+        return {"peak": mib, "at_peak": {}, "max": {}, "optimizer": case["optimizer"]}
+
+    monkeypatch.setattr(sweep, "predict_memory", predict)
+    return asked
+
+
+def test_main_reuses_finished_runs_and_falls_back_to_trainer_loss(tmp_path, capsys, predictions):
     for name, f in FAKE.items():
         (tmp_path / name).mkdir()
         s = _summary(f["variant"], f["blocks"], f["rank"], f["val"])
@@ -78,6 +93,11 @@ def test_main_reuses_finished_runs_and_falls_back_to_trainer_loss(tmp_path, caps
     rows = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["val_loss"] for r in rows] == [f["val"] for f in FAKE.values()]
     assert all(r["val_ci95"] is None for r in rows)
+    # the memory column: the benchmark's prediction (one per distinct case: the variants
+    # differ), the process's peak RSS kept under its own name
+    assert len(predictions) == 4
+    assert all(r["predicted_peak_mib"] == 800 and r["peak_rss_mib"] == 1500.0 for r in rows)
+    assert "predicted peak MiB/rank (benchmarks.memory)" in out and "| 800 |" in out
 
 
 def test_dry_run_prints_train_commands(tmp_path, capsys):
@@ -159,7 +179,7 @@ def test_best_learning_rate_table_and_extra_columns(tmp_path, monkeypatch):
     assert len(json.loads((tmp_path / "sweep_best_lr.json").read_text())) == 2
 
 
-def test_merge_adds_an_earlier_sweeps_rows_and_prefers_the_new_run(tmp_path, capsys):
+def test_merge_adds_an_earlier_sweeps_rows_and_prefers_the_new_run(tmp_path, capsys, predictions):
     old = tmp_path / "old"
     rows = []
     for name, ls in (
@@ -196,3 +216,58 @@ def test_merge_adds_an_earlier_sweeps_rows_and_prefers_the_new_run(tmp_path, cap
     assert by["cpu_default_attnres"]["delta_vs_baseline"] == pytest.approx(-0.3)
     assert by["cpu_default_baseline"]["val_batch_losses"] == [5.0, 5.2, 5.4]
     assert "| P-LR Block N=4 r=32 | cpu_default_projected |" in (new / "sweep.md").read_text()
+
+
+def test_memory_case_follows_the_runs_config_and_summary():
+    s = dict(_summary("sliced", 4, 32, 4.0), world_size=1)
+    case = sweep.memory_case("cpu_default_sliced", s)
+    assert case == {
+        "flavor": "cpu_small", "variant": "sliced", "blocks": 4, "block_layers": None,
+        "rank": 32, "seq": 256, "batch": 8, "ac": "none", "fsdp": 1, "dtype": "fp32",
+        "optimizer": "adamw", "ortho_dtype": "bfloat16", "implementation": "foreach",
+        "z_loss": 0.0, "loss_chunks": 8, "max_norm": 1.0,
+    }  # fmt: skip
+    muon = sweep.memory_case("cpu_default_muon", s)  # the paper recipe on CPU
+    assert (muon["optimizer"], muon["ortho_dtype"], muon["z_loss"]) == ("recipe", "float32", 1e-5)
+    paper = dict(_summary("projected", 8, 32, 3.0), flavor="paper_0p5b", seq_len=2048,
+                 local_batch_size=4, world_size=64)  # fmt: skip
+    paper = sweep.memory_case("paper_projected_block8_r32", paper)
+    assert (paper["ac"], paper["dtype"], paper["fsdp"]) == ("selective", "bf16", 64)
+    assert (paper["optimizer"], paper["implementation"]) == ("recipe", "fused")
+    assert sweep.memory_case("not_a_config", s) is None
+    assert sweep.memory_case("cpu_default_sliced", {"flavor": "cpu_small"}) is None  # no shape
+
+
+def test_attach_memory_once_per_case_and_a_failure_leaves_a_dash():
+    case = {"flavor": "debug", "batch": 2}
+    cases = {"a": case, "b": dict(case), "c": None, "d": {"batch": 0}}
+    rows = [{"config": name, "memory_case": c} for name, c in cases.items()]
+    calls, lines = [], []
+
+    def predict(c):
+        calls.append(c)
+        if not c["batch"]:
+            raise ValueError("no tokens")
+        return {"peak": 3 * 2**20, "at_peak": {"activations": 1}, "max": {}, "optimizer": "adamw"}
+
+    sweep.attach_memory(rows, predict, progress=lines.append)
+    assert len(calls) == 2  # a and b share one case
+    assert [r.get("predicted_peak_mib") for r in rows] == [3.0, 3.0, None, None]
+    assert rows[0]["predicted_memory"]["at_peak"] == {"activations": 1}
+    assert any("d: no memory prediction (ValueError: no tokens)" in ln for ln in lines)
+    assert "| - |" in sweep.markdown_table([sweep.make_row("x", _summary("baseline", None, 32, 4))])
+
+
+def test_memory_prediction_runs_the_benchmark():
+    """The real predictor at the smallest run (cpu_smoke's shape, one rank)."""
+    s = dict(_summary("sliced", 2, 16, 4.0), flavor="debug", seq_len=32, local_batch_size=2)
+    case = sweep.memory_case("cpu_smoke", s)
+    pred = sweep.predict_memory(case)
+    assert pred["peak"] > 0 and pred["at_peak"]["activations"] > 0
+    assert pred["optimizer"] == "adamw"
+
+
+def test_merge_renames_an_earlier_sweeps_rss_column():
+    old = [{"config": "a", "peak_mem_mib": 1500.0}]
+    (row,) = sweep.merge_rows(old, [])
+    assert row["peak_rss_mib"] == 1500.0 and "peak_mem_mib" not in row
