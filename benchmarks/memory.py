@@ -6,7 +6,7 @@
 
 Why: the routed variants keep every block's (or every sublayer's) output alive across the
 depth loop, so their activation memory is not the baseline's; the paper's shape does not fit a
-CPU, and a GPU is not always at hand. How: the project's model is built under ``FakeTensorMode`` (shapes,
+CPU, nor always a GPU. How: the project's model is built under ``FakeTensorMode`` (shapes,
 dtypes and storages, no data), parallelized as torchtitan's ``parallelize_llama`` does it (the
 AC policy on every entry of ``model.layers`` -- one sublayer each --, then FSDP2 through
 ``apply_fsdp_to_decoder``: parameters in ``--dtype``, fp32 master weights and reductions) over a
