@@ -280,6 +280,8 @@ def build(case: Case, mesh, device: str = "cpu"):
         attn_backend="sdpa",
         **schedule,
     )
+    # as the model config does under the trainer: with AC the reads keep no phase-1 output
+    config.router.recompute_reads = case.ac != "none"
     dev = torch.device(device)
     with torch.device(dev):
         model = config.build()

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
@@ -72,6 +73,9 @@ class DepthRouter(Module):
         eps: float | None = None  # key RMSNorm eps; None = custom_ops.reference.DEFAULT_EPS
         backend: str = "auto"  # one of custom_ops.BACKENDS (passed to its ops as it is)
         embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
+        # recompute each site's phase-1 read in the backward instead of keeping it (fp32 [T, d]
+        # per site); the model config sets it when activation checkpointing is on
+        recompute_reads: bool = False
 
     def __init__(self, config: Config):
         super().__init__()
@@ -79,6 +83,7 @@ class DepthRouter(Module):
         self.rank = config.rank
         self.eps = config.eps
         self.backend = config.backend
+        self.recompute_reads = config.recompute_reads
         m = config.num_sublayers
         self.num_sublayers = m
         self.block_layers = config.block_layers
@@ -153,8 +158,11 @@ class DepthRouter(Module):
 
     def _phase1(self, state: DepthState, t: int, first: int | None = None) -> None:
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
-        ``first`` = t, site 0 excluded), up to this module's last site."""
+        ``first`` = t, site 0 excluded), up to this module's last site; with
+        ``recompute_reads`` for site t alone (the others read under a checkpoint)."""
         nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
+        if self.recompute_reads:
+            nxt = min(nxt, max(t, 1) + 1)
         first = max(t, 1) if first is None else first
         if nxt <= first:
             state.phase1 = None
@@ -175,14 +183,25 @@ class DepthRouter(Module):
             out, _, first = state.phase1
             assert first == t
             return out[0].to(state.embedding.dtype)
+        partial_key = state.partial_key if self.projected else None
+        if self.recompute_reads:
+            values = [state.embedding, *state.values]
+            keys = [state.embedding_key, *state.keys] if self.projected else None
+            return checkpoint(self._site_read, values, keys, state.partial, partial_key,
+                              self.query(t), use_reentrant=False)  # fmt: skip
         out, lse, first = state.phase1
         i = t - first
         return custom_ops.merge_partial(
-            out[i],
-            lse[i],
-            state.partial,
-            state.partial_key if self.projected else None,
-            self.query(t),
-            self.eps,
+            out[i], lse[i], state.partial, partial_key, self.query(t), self.eps,
             backend=self.backend,
+        )  # fmt: skip
+
+    def _site_read(self, values, keys, partial, partial_key, query) -> torch.Tensor:
+        """Site t's two phases alone: what ``recompute_reads`` runs again in the backward, so
+        only its inputs (the sources and the partial, kept anyway) are saved."""
+        out, lse = custom_ops.block_read(
+            values, keys, query[None], self.eps, backend=self.backend, split=True
+        )
+        return custom_ops.merge_partial(
+            out[0], lse[0], partial, partial_key, query, self.eps, backend=self.backend
         )

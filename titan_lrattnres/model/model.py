@@ -151,6 +151,8 @@ class LRAttnResModel(Decoder):
                 check_schedule(parallelism.pipeline_parallel_schedule)
             from titan_lrattnres.parallel.sharding import set_sharding_config, set_tensor_parallel
 
+            # with activation checkpointing the reads keep no phase-1 output either
+            self.router.recompute_reads = getattr(config, "activation_checkpoint", None) is not None
             tp = parallelism.tensor_parallel_degree
             enable_sp = tp > 1 and parallelism.enable_sequence_parallel
             set_sharding_config(self, enable_sp=enable_sp)
