@@ -7,9 +7,7 @@ variants, 60 steps, 2 cores: 2-8 % more tokens/s than "reference", same losses.
 
 from __future__ import annotations
 
-from torchtitan.components.checkpointer import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
@@ -17,8 +15,10 @@ from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 
+from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
 from titan_lrattnres.components.data import register_datasets, tokenizer_dir
 from titan_lrattnres.components.loader import GlobalOrderDataLoader
+from titan_lrattnres.components.metrics import RunMetricsProcessor
 from titan_lrattnres.components.optimizers import MuonOptimizersContainer
 from titan_lrattnres.model.registry import model_registry
 from titan_lrattnres.training.trainer import EndValidator, LRAttnResTrainer
@@ -148,9 +148,11 @@ def make_config(
             disable_cuda_graphs=True,
         ),
         dataloader=GlobalOrderDataLoader.Config(dataset=dataset),
-        metrics=MetricsProcessor.Config(log_freq=log_freq),
+        # the run's record (summary.json, loss curve) and progress line beside torchtitan's log
+        metrics=RunMetricsProcessor.Config(log_freq=log_freq),
         parallelism=ParallelismConfig(),
-        checkpoint=CheckpointManager.Config(
+        # checksums in every checkpoint, no save after a non-finite loss
+        checkpoint=LRAttnResCheckpointManager.Config(
             enable=True,
             interval=checkpoint_interval,
             last_save_model_only=False,

@@ -26,6 +26,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersCon
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
 from titan_lrattnres.components.muon import Muon
+from titan_lrattnres.training import torchtitan_internals as internals
 
 MUON_LR, ADAMW_LR = 1e-3, 3e-4
 
@@ -48,11 +49,12 @@ class MuonOptimizersContainer(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         pass
 
+    # torchtitan's private hooks, called by its __init__ (training/torchtitan_internals.py)
     @staticmethod
     def _resolve_optimizer_factory(name: str):
         if name == "Muon":
             return Muon
-        return OptimizersContainer._resolve_optimizer_factory(name)
+        return internals.stock_optimizer_factory(name)
 
     @staticmethod
     def _build_param_groups(

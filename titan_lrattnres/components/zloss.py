@@ -20,10 +20,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torchtitan.components.loss import IGNORE_INDEX, BaseLoss
-from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.config import CompileConfig
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
+
+from titan_lrattnres.components.metrics import RunMetricsProcessor
+from titan_lrattnres.training import torchtitan_internals as internals
 
 
 def ce_and_z(pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +52,7 @@ class ZLossCrossEntropy(BaseLoss):
     def __init__(self, config: Config, *, compile_config: CompileConfig | None = None):
         self.weight = config.z_loss_weight
         self.fn = ce_and_z
-        self._maybe_compile(compile_config)
+        internals.compile_loss(self, compile_config)
         self._step_tokens: torch.Tensor | None = None  # identifies the training step
         self.train_z = self.train_ce = None
         self.val_z = self.val_tokens = None
@@ -87,16 +89,16 @@ class ZLossCrossEntropy(BaseLoss):
 _ACTIVE: ZLossCrossEntropy | None = None
 
 
-class ZLossMetricsProcessor(MetricsProcessor):
-    """torchtitan's metrics processor plus the z-loss / CE split of the loss (all ranks call
-    ``log`` together, so the cross-rank sums are safe). ``last_z_loss`` / ``last_val_z_loss``
-    hold the latest values for a trainer that records them."""
+class ZLossMetricsProcessor(RunMetricsProcessor):
+    """The run's metrics processor plus the z-loss / CE split of the loss (all ranks log
+    together, so the cross-rank sums are safe). ``last_z_loss`` / ``last_val_z_loss`` hold the
+    latest values."""
 
     last_z_loss: float | None = None
     last_val_z_loss: float | None = None
 
     @dataclass(kw_only=True, slots=True)
-    class Config(MetricsProcessor.Config):
+    class Config(RunMetricsProcessor.Config):
         pass
 
     def _global_sum(self, x) -> float:
@@ -115,29 +117,25 @@ class ZLossMetricsProcessor(MetricsProcessor):
         dist.all_reduce(t, group=self.parallel_dims.get_mesh("pp").get_group())
         return float(t[0]) if t[1] else None
 
-    def log(self, step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=None):
-        loss = _ACTIVE
-        extra = dict(extra_metrics or {})
-        train_z = loss.train_z if loss is not None else None
-        z = self._from_last_stage(None if train_z is None else self._global_sum(train_z))
-        if z is not None:
-            self.last_z_loss = z
-            extra["loss_metrics/z_loss"] = z
-            extra["loss_metrics/ce_loss"] = global_avg_loss - z
-            logger.info(f"step: {step:2}  ce: {global_avg_loss - z:8.5f}  z_loss: {z:.3e}")
-        super().log(step, global_avg_loss, global_max_loss, grad_norm, extra_metrics=extra)
-
-    def log_validation(self, loss, step, extra_metrics=None):
+    def training_extras(self, step, loss):
         zl = _ACTIVE
-        extra = dict(extra_metrics or {})
+        train_z = zl.train_z if zl is not None else None
+        z = self._from_last_stage(None if train_z is None else self._global_sum(train_z))
+        if z is None:
+            return {}
+        self.last_z_loss = z
+        logger.info(f"step: {step:2}  ce: {loss - z:8.5f}  z_loss: {z:.3e}")
+        return {"loss_metrics/z_loss": z, "loss_metrics/ce_loss": loss - z}
+
+    def validation_extras(self, step, loss):
+        zl = _ACTIVE
         z = None
         if zl is not None and zl.val_z is not None:
             z = self._global_sum(zl.val_z) / self._global_sum(zl.val_tokens)
             zl.val_z = zl.val_tokens = None
         z = self._from_last_stage(z)
-        if z is not None:
-            self.last_val_z_loss = z
-            extra["validation_metrics/z_loss"] = z
-            extra["validation_metrics/ce_plus_z_loss"] = loss + z
-            logger.info(f"validate step: {step:2}  ce: {loss:7.4f}  ce + z: {loss + z:7.4f}")
-        super().log_validation(loss, step, extra_metrics=extra)
+        if z is None:
+            return {}
+        self.last_val_z_loss = z
+        logger.info(f"validate step: {step:2}  ce: {loss:7.4f}  ce + z: {loss + z:7.4f}")
+        return {"validation_metrics/z_loss": z, "validation_metrics/ce_plus_z_loss": loss + z}

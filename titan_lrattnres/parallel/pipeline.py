@@ -45,6 +45,7 @@ from titan_lrattnres.parallel.pipeline_plan import (
     plan_stages,
     stage_spans,
 )
+from titan_lrattnres.training import torchtitan_internals as internals
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -195,16 +196,50 @@ def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:
     model.plan, model.cache = plan, cache
 
 
+# -- the schedule --------------------------------------------------------------------------------
+def _schedule_class(base: type) -> type:
+    """``base`` (the torch schedule class ``pipeline_llm`` picked) with two additions: every
+    ``step`` (``eval`` runs one too) starts with an empty source cache and must leave it
+    drained; during torch's first-step shape inference, which runs the stages and the loss on
+    placeholder tensors, the losses are told so (``in_shape_inference``: a loss that keeps
+    statistics, :mod:`titan_lrattnres.components.zloss`, leaves those calls out). Made per
+    class, as a subclass of it: a mixin cannot join torch's ABC-based schedules on an instance."""
+
+    def step(self, *args, **kwargs):
+        self.source_cache.reset()
+        out = base.step(self, *args, **kwargs)
+        self.source_cache.check_drained()
+        return out
+
+    def _initialize_pp_stages(self, *args, **kwargs):
+        # torch's private hook (titan_lrattnres.training.torchtitan_internals)
+        for loss in self.shape_losses:
+            loss.in_shape_inference = True
+        try:
+            return internals.initialize_pp_stages(self, *args, **kwargs)
+        finally:
+            for loss in self.shape_losses:
+                loss.in_shape_inference = False
+
+    methods = {"step": step, "_initialize_pp_stages": _initialize_pp_stages}
+    return type(f"LRAttnRes{base.__name__}", (base,), methods)
+
+
+def _adopt(schedule, cache: SourceCache, loss_fn) -> None:
+    """Give ``schedule`` (built by ``pipeline_llm``) the class :func:`_schedule_class` makes."""
+    schedule.__class__ = _schedule_class(type(schedule))
+    schedule.source_cache, schedule.shape_losses = cache, []
+    while loss_fn is not None:  # the loss and the losses it wraps (e.g. ChunkedLossWrapper's)
+        schedule.shape_losses.append(loss_fn)
+        loss_fn = getattr(loss_fn, "loss_fn", None)
+
+
 # -- torchtitan's pipelining_fn -------------------------------------------------------------------
 def _module_names(parallel_dims, parallelism, model_config) -> list[list[str]]:
-    from torchtitan.distributed import pipeline_parallel as pp
-
     if parallelism.module_fqns_per_model_part is not None:
         return [list(names) for names in parallelism.module_fqns_per_model_part]
-    stages, layers, input_weight, output_weight = pp._get_pipeline_metadata(
-        parallel_dims, parallelism, model_config
-    )
-    return pp._generate_llm_fqn_per_model_part(stages, layers, input_weight, output_weight)
+    metadata = internals.pipeline_metadata(parallel_dims, parallelism, model_config)
+    return internals.llm_module_names(*metadata)
 
 
 def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, parallelize_fn, **kw):
@@ -219,7 +254,7 @@ def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, paral
     degree, schedule = parallel_dims.pp, parallelism.pipeline_parallel_schedule
     ranks = [0] * len(names)
     for r in range(degree):
-        for s in pp._get_pp_rank_to_stage_indices_mapping(r, degree, schedule, len(names)):
+        for s in internals.stages_of_pp_rank(r, degree, schedule, len(names)):
             ranks[s] = r
     router = model_config.router
     ends = schedule_ends(router.num_sublayers, router.blocks, router.block_layers)
@@ -241,32 +276,5 @@ def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, paral
         parallelize_fn=parallelize_stage,
         **kw,
     )
-    step = schedule_._step_microbatches
-
-    def step_with_cache(*args, **kwargs):
-        cache.reset()
-        out = step(*args, **kwargs)
-        cache.check_drained()
-        return out
-
-    schedule_._step_microbatches = step_with_cache
-    # torch runs the stages once on the first step to infer shapes, the loss included: a loss
-    # that keeps statistics (titan_lrattnres.components.zloss) is told to leave those calls out
-    init, losses = getattr(schedule_, "_initialize_pp_stages", None), []
-    loss = kw.get("loss_fn")
-    while loss is not None:  # the loss and the losses it wraps (e.g. ChunkedLossWrapper's)
-        losses.append(loss)
-        loss = getattr(loss, "loss_fn", None)
-    if init is not None:
-
-        def init_stages(*args, **kwargs):
-            for loss in losses:
-                loss.in_shape_inference = True
-            try:
-                return init(*args, **kwargs)
-            finally:
-                for loss in losses:
-                    loss.in_shape_inference = False
-
-        schedule_._initialize_pp_stages = init_stages
+    _adopt(schedule_, cache, kw.get("loss_fn"))
     return schedule_, parts, has_first, has_last

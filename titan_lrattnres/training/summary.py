@@ -30,8 +30,9 @@ def build_summary(trainer) -> dict:
     spec = cfg.model_spec
     router = spec.model.router
     hist, val = trainer.history, trainer.val_history
-    wall = time.perf_counter() - trainer._t0
-    train_wall = (time.perf_counter() - trainer._train_t0) if trainer._train_t0 else None
+    wall = time.perf_counter() - trainer.metrics_processor.t0
+    train_t0 = trainer.metrics_processor.train_t0  # at the first logged step
+    train_wall = (time.perf_counter() - train_t0) if train_t0 else None
     # Training throughput spans the logged steps only: from the first step's log (its compile
     # excluded) to the last one's, so the final save and validation (whose eval-mode compile
     # differs by variant) stay out of it; the _wall figure keeps them in.

@@ -207,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     cpu.apply()  # before torchtitan is imported (P1)
     from torchtitan.tools.logging import init_logger
 
+    from titan_lrattnres.components.checkpoint import NonFiniteLossError
     from titan_lrattnres.components.convert import OldLayoutError
     from titan_lrattnres.components.data import CorpusError
     from titan_lrattnres.components.integrity import CheckpointIntegrityError
-    from titan_lrattnres.training.trainer import CheckpointMismatchError, NonFiniteLossError
+    from titan_lrattnres.training.trainer import CheckpointMismatchError
 
     init_logger()
     try:

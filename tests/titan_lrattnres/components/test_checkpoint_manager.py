@@ -1,0 +1,67 @@
+"""``LRAttnResCheckpointManager`` inside torchtitan's own save: every save gets a complete
+checksum record once it has finished (an async one at the next save or at ``wait_and_record``),
+and torchtitan's purge (``keep_latest_k``) never removes a checkpoint before the newer one is
+recorded. One process, a one-rank gloo group (torchtitan's purge and async save need one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from titan_lrattnres.components import integrity
+from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def manager(folder, async_mode: str) -> LRAttnResCheckpointManager:
+    config = LRAttnResCheckpointManager.Config(
+        enable=True, interval=2, keep_latest_k=2, last_save_model_only=False, async_mode=async_mode
+    )
+    return config.build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(4, 4)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+
+
+def complete(step) -> bool:
+    return integrity.read_record(step)["complete"]
+
+
+def test_sync_saves_are_recorded_then_purged(world_of_one, tmp_path):
+    ckpt = manager(tmp_path, "disabled")
+    folder = tmp_path / "checkpoint"
+    for step in (2, 4, 6):
+        assert ckpt.save(step)
+        assert complete(folder / f"step-{step}") and ckpt.last_saved == str(folder / f"step-{step}")
+    ckpt.close()  # the purge thread finishes its queue
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]
+    assert all(integrity.problem(folder / f"step-{n}") is None for n in (4, 6))
+
+
+def test_async_saves_are_recorded_at_the_next_save_and_purged_after(world_of_one, tmp_path):
+    ckpt = manager(tmp_path, "async")
+    folder = tmp_path / "checkpoint"
+    ckpt.save(2)
+    ckpt.save(4)  # waits for step 2 and records it; step 4 is under way
+    assert complete(folder / "step-2") and not complete(folder / "step-4")
+    ckpt.save(6)
+    # three step folders, keep 2: step-2 stays while step-6 is unrecorded
+    assert complete(folder / "step-4") and not complete(folder / "step-6")
+    assert (folder / "step-2").is_dir()
+    ckpt.wait_and_record()  # the trainer's end of training
+    ckpt.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]
+    assert all(integrity.problem(folder / f"step-{n}") is None for n in (4, 6))
