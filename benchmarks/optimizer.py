@@ -121,7 +121,7 @@ def worker(flavor: str, rounds: int, out: str) -> None:
 
     from titan_lrattnres.training import cpu
 
-    cpu.release_gloo_at_exit()  # no SIGABRT at exit (titan_lrattnres/training/cpu.py, P7)
+    cpu.release_gloo_at_exit()  # no SIGABRT at exit (see release_gloo_at_exit)
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     result = {}

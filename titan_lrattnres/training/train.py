@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(USAGE + "\nconfigs: " + ", ".join(sorted(CONFIGS)))
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    cpu.apply()  # before torchtitan is imported (P1)
+    cpu.apply()  # before torchtitan is imported
     from torchtitan.tools.logging import init_logger
 
     from titan_lrattnres.components.checkpoint import NonFiniteLossError

@@ -97,7 +97,8 @@ GLOO_THREADS = textwrap.dedent("""
 
 
 def test_gloo_threads_are_seen_for_the_exit_release(env):
-    """P7 waits at exit only while gloo's worker threads exist: it must see them (by name)."""
+    """``release_gloo_at_exit`` waits at exit only while gloo's worker threads exist: it must see
+    them (by name)."""
     p = subprocess.run([sys.executable, "-c", GLOO_THREADS], env=env, cwd=ROOT, text=True,
                        capture_output=True, timeout=120)  # fmt: skip
     assert p.returncode == 0, p.stderr[-2000:]
@@ -124,16 +125,16 @@ HELPER_TEAM = textwrap.dedent("""
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
 def test_collectives_start_no_second_openmp_team(env):
-    """P8: a gloo worker's copy starts its own OpenMP team without it (one more thread, and
-    every team then sleeps between regions); with it that thread computes alone and this one
-    keeps its two threads."""
+    """``serial_helper_threads``: a gloo worker's copy starts its own OpenMP team without it (one
+    more thread, and every team then sleeps between regions); with it that thread computes alone
+    and this one keeps its two threads."""
     runs = {}
     for patched in ("0", "1"):
         p = subprocess.run([sys.executable, "-c", HELPER_TEAM, patched], env=env, cwd=ROOT,
                            text=True, capture_output=True, timeout=120)  # fmt: skip
         assert p.returncode == 0, p.stderr[-2000:]
         runs[patched] = json.loads(p.stdout.strip().splitlines()[-1])
-    assert runs["0"]["new_threads"] >= 1, runs  # the premise: without P8 a team is started
+    assert runs["0"]["new_threads"] >= 1, runs  # the premise: without it a team is started
     assert runs["1"] == {"applied": True, "new_threads": 0, "threads": 2}, runs
 
 
