@@ -28,7 +28,11 @@ def import_graph() -> dict[str, set[str]]:
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                # ``from pkg import mod`` imports mod, as ``import pkg.mod`` does: the edge to
+                # the package's __init__, which every submodule import runs, is left out
+                subs = [f"{node.module}.{a.name}" for a in node.names]
+                names = [t for t in subs if t not in modules]
+                targets = [t for t in subs if t in modules] + [node.module] * bool(names)
             else:
                 continue
             deps |= {t for t in targets if t in modules and t != name}

@@ -1,7 +1,8 @@
-"""Export a trained model: ``torch.export`` program, AOTInductor package, safetensors weights.
+"""Export a trained model: ``torch.export`` program, AOTInductor package, safetensors weights,
+Hugging Face folder.
 
     python -m titan_lrattnres.export --checkpoint CKPT --out DIR \
-        [--format all|export|aoti|safetensors]
+        [--format all|export|aoti|safetensors|hf] [--tokenizer tokenizer.json]
 
 Writes into ``DIR``:
 - ``model.pt2``: ``torch.export.export`` of the model in eval mode (``tokens [B, T] int64 ->
@@ -14,6 +15,12 @@ Writes into ``DIR``:
   device (CPU here); load with ``titan_lrattnres.evaluation.inference.load_aoti``;
 - ``safetensors/``: ``model.safetensors`` + ``config.json`` (build_model_config kwargs + format
   version), which ``titan_lrattnres.evaluation.inference.load_model`` rebuilds into the same model;
+- ``hf/``: a Hugging Face transformers folder (``config.json`` with ``auto_map``,
+  ``model.safetensors``, ``generation_config.json``, the tokenizer files and the remote code) that
+  ``AutoModelForCausalLM.from_pretrained(DIR/hf, trust_remote_code=True)`` loads offline
+  (``titan_lrattnres.evaluation.hf``). Needs ``transformers`` (a dev extra), so ``all`` leaves it
+  out: ask for it by name. The tokenizer: ``--tokenizer``, else the one beside the checkpoint,
+  else the embedded corpus's when built;
 - ``export.json``: what was written, the model arguments and the dynamic-shape ranges.
 """
 
@@ -29,11 +36,14 @@ from torch.export import Dim
 from titan_lrattnres.evaluation.generate import max_seq_len
 from titan_lrattnres.evaluation.inference import (
     add_checkpoint_args,
+    default_tokenizer,
+    find_tokenizer,
     load_from_cli,
     save_safetensors,
 )
 
-FORMATS = ("export", "aoti", "safetensors")
+FORMATS = ("export", "aoti", "safetensors", "hf")
+ALL_FORMATS = ("export", "aoti", "safetensors")  # ``--format all``: hf needs transformers
 MIN_SEQ = 2  # size-0/1 dims specialise in torch.export; T=1 runs through the KV-cache decoder
 
 
@@ -66,15 +76,27 @@ def compile_aoti(program, path: str | Path) -> Path:
 
 
 def export_all(
-    model, model_args: dict, out: str | Path, formats=FORMATS, *, dynamic: bool = True
+    model,
+    model_args: dict,
+    out: str | Path,
+    formats=ALL_FORMATS,
+    *,
+    dynamic: bool = True,
+    tokenizer: str | Path | None = None,
 ) -> dict:
-    """Write the requested formats into ``out``; returns the ``export.json`` record."""
+    """Write the requested formats into ``out``; returns the ``export.json`` record.
+    ``tokenizer``: the ``tokenizer.json`` the hf folder carries (None: none)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"model_args": model_args, "files": {}}
     if "safetensors" in formats:
         save_safetensors(model, model_args, out / "safetensors")
         record["files"]["safetensors"] = "safetensors"
+    if "hf" in formats:
+        from titan_lrattnres.evaluation.hf import export_hf
+
+        record["hf"] = export_hf(model, out / "hf", tokenizer=tokenizer)
+        record["files"]["hf"] = "hf"
     if "export" in formats or "aoti" in formats:
         program = export_program(model, dynamic=dynamic)
         record["custom_op_nodes"] = sorted(set(custom_op_nodes(program)))
@@ -100,15 +122,27 @@ def main(argv=None) -> int:
     )
     add_checkpoint_args(p)
     p.add_argument("--out", required=True)
-    p.add_argument("--format", default="all", help="all, or a comma list of " + ", ".join(FORMATS))
+    p.add_argument(
+        "--format",
+        default="all",
+        help=f"all (= {','.join(ALL_FORMATS)}), or a comma list of " + ", ".join(FORMATS),
+    )
     p.add_argument("--static", action="store_true", help="export the example shape only")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer.json for the hf folder (default: beside the checkpoint, else the "
+        "embedded corpus's when built)",
+    )
     ns = p.parse_args(argv)
-    formats = FORMATS if ns.format == "all" else tuple(ns.format.split(","))
+    formats = ALL_FORMATS if ns.format == "all" else tuple(ns.format.split(","))
     bad = set(formats) - set(FORMATS)
     if bad:
         raise SystemExit(f"unknown --format {sorted(bad)}; choose all or from {FORMATS}")
-    model, args, _ = load_from_cli(ns)
-    record = export_all(model, args, ns.out, formats, dynamic=not ns.static)
+    model, args, path = load_from_cli(ns)
+    tokenizer = None
+    if "hf" in formats:
+        tokenizer = ns.tokenizer or find_tokenizer(path) or default_tokenizer(model.vocab_size)
+    record = export_all(model, args, ns.out, formats, dynamic=not ns.static, tokenizer=tokenizer)
     print(json.dumps(record, indent=2))
     return 0
 
