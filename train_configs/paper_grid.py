@@ -1,11 +1,13 @@
 """The paper's ~0.5B grid (docs/method.md §6) for GPU clusters, generated programmatically.
 
 Recipe: ``paper_0p5b`` flavor, seq 2048, global batch 128 sequences = 262,144 tokens,
-10B tokens = 38,147 steps, WSD schedule (2,000 warmup steps, last 20% linear decay to 0.1x).
+38,146 steps (10B tokens // 262,144, as the paper's script: 9,999,745,024 tokens), WSD schedule
+(2,000 warmup steps, the last 7,629 = round(20%) linear to 0.1x), seed 42.
 Optimiser and loss: the paper's (``train_configs.recipe``): Muon (Polar Express, NorMuon,
 cautious wd 0.1, lr 1e-3, momentum 0.85 -> 0.95 over 300 steps and back over the last 100) for
-every >= 2-D weight but embedding and head; AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the
-embedding, LM head and depth queries; gradient clip 1.0; z-loss 1e-5 (validation reports CE).
+every >= 2-D weight but embedding and head, each MLP's ``[w1; w3]`` one matrix (the paper's
+fused ``fc1``); AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, wd 0) for the embedding, LM head
+and depth queries; gradient clip 1.0; z-loss 1e-5 (validation reports CE, and CE + z).
 ``paper_*_float8``: the same with torchao rowwise float8 for every attention / MLP projection
 (LM head and depth router kept in bf16; ``titan_lrattnres.components.float8``). Dataset and
 tokenizer are set by the user (``--dataloader.dataset hf_text --dataloader.dataset_path ...
@@ -28,7 +30,10 @@ from train_configs.recipe import with_paper_recipe
 SEQ_LEN = 2048
 GLOBAL_BATCH_SEQS = 128  # 262,144 tokens
 TOTAL_TOKENS = 10_000_000_000
-STEPS = -(-TOTAL_TOKENS // (SEQ_LEN * GLOBAL_BATCH_SEQS))  # 38,147
+# the paper's max_steps: floor, not ceiling (38,147 would start the LR decay and the momentum
+# cooldown one step late)
+STEPS = TOTAL_TOKENS // (SEQ_LEN * GLOBAL_BATCH_SEQS)  # 38,146
+SEED = 42  # the paper's
 
 
 def _grid() -> dict[str, tuple[str, int | None, int]]:
@@ -77,7 +82,7 @@ def paper_config(name: str, local_batch_size: int = 4, float8: bool = False):
         compile=True,
         cpu=False,
         log_freq=10,
-        seed=None,
+        seed=SEED,
     )
     config.checkpoint.keep_latest_k = 3
     config = with_paper_recipe(config, variant=variant)

@@ -3,7 +3,9 @@
 Each rank writes ``OUT/rank{r}.json``: for every layout (FSDP2 1-D mesh, HSDP (1, 2) and (2, 1)
 meshes) and ortho dtype, the largest |2-rank - 1-process| parameter difference over 3 steps and
 the all-to-all count; then whether a DCP save / load of the optimiser state gives a bitwise
-identical next step. The 1-process reference runs in each rank on plain tensors.
+identical next step. The 1-process reference runs in each rank on plain tensors. ``fused_*``:
+pairs of parameters fused into one matrix (``Muon(fuse=...)``), each member sharded by its own
+rows, against one process's Muon on the concatenated matrices.
 """
 
 from __future__ import annotations
@@ -86,6 +88,72 @@ def parity(mesh_shape: tuple[int, ...], ortho_dtype: str, params=tuple(SHAPES)) 
     }
 
 
+# pairs fused by ``fuse=(("_w1", "_w3"),)``: tall (19 + 7 rows; 10/9 and 4/3 per rank), wide
+# (5 + 6 rows: column statistics), and 1 + 2 rows (1/0 and 1/1 per rank; wide)
+PAIRS = {"tall": ((19, 24), (7, 24)), "wide": ((5, 24), (6, 24)), "tiny": ((1, 8), (2, 8))}
+LONE = (37, 24)  # not fused
+
+
+class Pairs(nn.Module):
+    def __init__(self, fused: bool):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        for name, (a, b) in PAIRS.items():
+            w1, w3 = torch.randn(a, generator=g), torch.randn(b, generator=g)
+            if fused:
+                self.register_parameter(f"{name}_w1", nn.Parameter(w1))
+                self.register_parameter(f"{name}_w3", nn.Parameter(w3))
+            else:  # the reference: one matrix [w1; w3]
+                self.register_parameter(name, nn.Parameter(torch.cat([w1, w3])))
+        self.lone = nn.Parameter(torch.randn(LONE, generator=g))
+
+
+def pair_grads(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    out = {}
+    for name, (a, b) in PAIRS.items():
+        out[f"{name}_w1"], out[f"{name}_w3"] = (
+            torch.randn(a, generator=g),
+            torch.randn(b, generator=g),
+        )
+    out["lone"] = torch.randn(LONE, generator=g)
+    return out
+
+
+def fused_parity(ortho_dtype: str) -> dict:
+    """2 ranks with ``[w1; w3]`` fused against one process's Muon on the concatenations."""
+    ref, model = Pairs(fused=False), Pairs(fused=True)
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("shard",)))
+    kw = dict(lr=0.02, weight_decay=0.1, ortho_dtype=ortho_dtype)
+    named = list(model.named_parameters())
+    groups = [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+    ref_opt, opt = Muon(ref.parameters(), **kw), Muon(groups, fuse=(("_w1", "_w3"),), **kw)
+    diff = 0.0
+    for step in range(STEPS):
+        full = pair_grads(step)
+        for name in PAIRS:
+            getattr(ref, name).grad = torch.cat([full[f"{name}_w1"], full[f"{name}_w3"]])
+        ref.lone.grad = full["lone"]
+        for n, p in named:
+            p.grad = torch.distributed.tensor.distribute_tensor(
+                full[n], p.device_mesh, p.placements
+            )
+        ref_opt.step()
+        opt.step()
+        for name in PAIRS:
+            got = torch.cat([getattr(model, f"{name}_{k}").full_tensor() for k in ("w1", "w3")])
+            diff = max(diff, (got - getattr(ref, name)).abs().max().item())
+        diff = max(diff, (model.lone.full_tensor() - ref.lone).abs().max().item())
+    placements = {
+        n: str(opt.state[p]["variance_buffer"].placements[0]) for n, p in named if "_w" in n
+    }
+    return {
+        "max_abs_diff": diff,
+        "collectives_per_step": opt.collectives / STEPS,
+        "variance_placements": placements,
+    }
+
+
 def container(model: nn.Module) -> MuonOptimizersContainer:
     group = ParamGroup(
         pattern=".*", optimizer_name="Muon", min_ndim=2, optimizer_kwargs={"lr": 0.02}
@@ -131,6 +199,8 @@ def main(out: str) -> None:
     # one matrix: rank 1 owns nothing and sends nothing back
     result["single_float32"] = parity((2,), "float32", params=("tall",))
     result["dcp"] = dcp_resume(os.path.join(out, "ckpt"))
+    for dtype in ("float32", "bfloat16"):
+        result[f"fused_{dtype}"] = fused_parity(dtype)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f, indent=1)
     dist.destroy_process_group()

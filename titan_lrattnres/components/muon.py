@@ -30,12 +30,27 @@ on their own shard sub-mesh. State is DTensors laid out like the parameter (``mo
 ``variance_buffer`` is ``[rows, 1]`` sharded by rows or ``[1, cols]`` sharded by columns), so DCP
 checkpoints and reshards it. The exchange is fp32: the owner sees exactly the single-process
 matrix, so 2 ranks and 1 process give the same update bit for bit.
+
+Fused matrices (``fuse``). The paper's MLP has one input matrix ``fc1 = [W1; W3]``
+(``2 hidden x d``) that Muon orthogonalises whole; torchtitan keeps ``w1`` and ``w3`` apart, and
+orthogonalising them apart gives another direction. ``fuse=(("feed_forward.w1.weight",
+"feed_forward.w3.weight"),)`` makes every pair of parameters named ``P + suffix`` (same prefix
+``P``, same group, same columns) one matrix: their rows are concatenated in the order given, and
+Polar Express, the NorMuon statistics (per row of the concatenation when it is tall, else per
+column) and the update scale ``max(1, rows / cols) ** 0.5`` are those of the concatenated
+matrix. The parameters, their momentum and their state stay separate (each member keeps its
+rows of the statistics; of a wide concatenation each keeps an identical copy of the column
+statistics), so where each member is tall like the concatenation (every MLP here: hidden > d)
+the checkpoint layout is the unfused one. Under FSDP2 each member is sharded by its own rows;
+the pair has one owner, which gathers both whole, concatenates, orthogonalises and sends each
+rank its rows of each member.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -101,17 +116,21 @@ def chunk_sizes(n: int, world: int) -> list[int]:
 
 @dataclass
 class _Layout:
-    """Where a parameter's rows live: ``group`` = shard process group (None: all local)."""
+    """Where a parameter's rows live: ``group`` = shard process group (None: all local).
+    ``tall``: whether the matrix Muon orthogonalises (the parameter, or the fused matrix it is
+    part of) has at least as many rows as columns; None = the parameter's own shape."""
 
     rows: int
     cols: int
     group: dist.ProcessGroup | None = None
     world: int = 1
     rank: int = 0
+    tall: bool | None = None
 
     @property
     def stat_dim(self) -> int:  # NorMuon: one statistic per row of a tall/square matrix
-        return 0 if self.rows >= self.cols else 1
+        tall = self.rows >= self.cols if self.tall is None else self.tall
+        return 0 if tall else 1
 
     def row_sizes(self) -> list[int]:
         return chunk_sizes(self.rows, self.world)
@@ -153,6 +172,49 @@ def _matrix(t: torch.Tensor, cols: int) -> torch.Tensor:
     return t.view(t.shape[0], cols)
 
 
+@dataclass
+class _Member:
+    """One parameter in a step: its layout, local rows of ``U`` (fp32), local statistics."""
+
+    param: torch.Tensor
+    lay: _Layout
+    u: torch.Tensor
+    var: torch.Tensor
+
+
+@dataclass
+class _Unit:
+    """The matrix Muon orthogonalises: one parameter, or fused parameters' rows concatenated."""
+
+    group: dict
+    members: list[_Member]
+
+    @property
+    def cols(self) -> int:
+        return self.members[0].lay.cols
+
+    @property
+    def rows(self) -> int:
+        return sum(m.lay.rows for m in self.members)
+
+    @property
+    def tall(self) -> bool:
+        return self.rows >= self.cols
+
+    def update(self, us: list[torch.Tensor], vs: list[torch.Tensor]):
+        """Full rows of ``U`` and full statistics per member (fp32) -> (update, statistics) per
+        member; the statistics of a wide unit are one copy shared by all members."""
+        u = us[0] if len(us) == 1 else torch.cat(us)
+        var = vs[0] if len(vs) == 1 or not self.tall else torch.cat(vs)
+        g = self.group
+        o = orthogonalized_update(u, var, g["beta2"], DTYPES[g["ortho_dtype"]])
+        rows = [m.lay.rows for m in self.members]
+        if len(rows) == 1:
+            return [o], [var]
+        stats = list(var.split(rows)) if self.tall else [var] * len(rows)
+        return list(o.split(rows)), stats
+
+
 def assign_owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
     """Owner rank per matrix: largest first onto the least-loaded rank (cost m n min(m, n))."""
     load = [0.0] * world
@@ -169,10 +231,12 @@ class Muon(torch.optim.Optimizer):
     """Muon with Polar Express, NorMuon and cautious weight decay; FSDP2/HSDP aware.
 
     Group options: ``lr``, ``weight_decay`` (multiplied by lr, cautious), ``momentum`` (set per
-    step by :class:`titan_lrattnres.components.optimizers.MomentumSchedule` when used),
+    step by :class:`titan_lrattnres.components.optimizers.MomentumLRSchedulers` when used),
     ``nesterov``, ``beta2`` (NorMuon), ``ortho_dtype`` ("bfloat16" | "float32"). Unknown keys that
-    torchtitan adds (``fused``, ``foreach``) are ignored. ``collectives`` counts this optimizer's
-    all-to-alls since construction.
+    torchtitan adds (``fused``, ``foreach``) are ignored. ``fuse``: tuples of name suffixes whose
+    parameters are one matrix (module docstring; needs the groups' ``param_names``, which
+    torchtitan's container sets); a constructor argument, not a group option, so checkpoints do
+    not depend on it. ``collectives`` counts this optimizer's all-to-alls since construction.
     """
 
     def __init__(
@@ -184,6 +248,7 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         beta2: float = 0.95,
         ortho_dtype: str = "bfloat16",
+        fuse: Sequence[Sequence[str]] = (),
         **ignored,
     ):
         if ortho_dtype not in DTYPES:
@@ -202,7 +267,39 @@ class Muon(torch.optim.Optimizer):
                 if p.ndim < 2:
                     raise ValueError(f"Muon takes >= 2-D weights, got shape {tuple(p.shape)}")
                 _layout(p)  # refuses a layout it cannot handle now, not at the first step
+        self.fuse = tuple(tuple(suffixes) for suffixes in fuse)
+        self._fused = self._fuse_units()
         self.collectives = 0
+
+    def _fuse_units(self) -> dict[int, tuple[torch.Tensor, ...]]:
+        """``id(first member) -> members`` for every fused matrix, and ``id(other member) ->
+        ()`` (stepped with its first member); refuses incomplete or mismatched sets."""
+        units: dict[int, tuple[torch.Tensor, ...]] = {}
+        if not self.fuse:
+            return units
+        for group in self.param_groups:
+            names = group.get("param_names")
+            if names is None:
+                raise ValueError("Muon(fuse=...) needs param groups with param_names")
+            by_name = dict(zip(names, group["params"]))
+            for suffixes in self.fuse:
+                if len(suffixes) < 2 or len(set(suffixes)) < len(suffixes):
+                    raise ValueError(f"fuse takes 2+ distinct name suffixes, got {suffixes}")
+                prefixes = {n[: -len(s)] for n in names for s in suffixes if n.endswith(s)}
+                for prefix in sorted(prefixes):
+                    wanted = [prefix + s for s in suffixes]
+                    missing = [n for n in wanted if n not in by_name]
+                    if missing:
+                        raise ValueError(f"fuse {suffixes}: {missing} not in this param group")
+                    members = tuple(by_name[n] for n in wanted)
+                    cols = {math.prod(p.shape[1:]) for p in members}
+                    if len(cols) > 1:
+                        raise ValueError(f"fuse {wanted}: the columns differ ({sorted(cols)})")
+                    if any(id(p) in units for p in members):
+                        raise ValueError(f"fuse {wanted}: a parameter is in two fused matrices")
+                    units[id(members[0])] = members
+                    units.update((id(p), ()) for p in members[1:])
+        return units
 
     def _init_state(self, p: torch.Tensor, lay: _Layout) -> dict:
         state = self.state[p]
@@ -221,57 +318,77 @@ class Muon(torch.optim.Optimizer):
         state["variance_buffer"] = local
         return state
 
+    def _unit(self, group: dict, params: tuple[torch.Tensor, ...]) -> _Unit | None:
+        """Momentum and Nesterov on the local rows of each member; None without gradients."""
+        have = [p.grad is not None for p in params]
+        if not any(have):
+            return None
+        if not all(have):
+            raise RuntimeError("Muon: some parameters of a fused matrix have no gradient")
+        lays = [_layout(p) for p in params]
+        if len(params) > 1:
+            if len({(lay.group, lay.world, lay.rank) for lay in lays}) > 1:
+                raise NotImplementedError("Muon: fused parameters must share one shard group")
+            tall = sum(lay.rows for lay in lays) >= lays[0].cols
+            lays = [replace(lay, tall=tall) for lay in lays]
+        mu = group["momentum"]
+        members = []
+        for p, lay in zip(params, lays):
+            state = self.state[p] or self._init_state(p, lay)
+            g = _local(p.grad)
+            g = g.reshape(g.shape[0], lay.cols)
+            m = _matrix(_local(state["momentum_buffer"]), lay.cols)
+            m.lerp_(g, 1 - mu)
+            u = g.lerp(m, mu) if group["nesterov"] else m.clone()
+            members.append(_Member(p, lay, u.float(), _local(state["variance_buffer"])))
+        return _Unit(group, members)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []  # (param, group, layout, local update rows [fp32], local variance)
+        work: list[_Unit] = []
         for group in self.param_groups:
-            mu = group["momentum"]
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                lay = _layout(p)
-                state = self.state[p] or self._init_state(p, lay)
-                g = _local(p.grad)
-                g = g.reshape(g.shape[0], lay.cols)
-                m = _matrix(_local(state["momentum_buffer"]), lay.cols)
-                m.lerp_(g, 1 - mu)
-                u = g.lerp(m, mu) if group["nesterov"] else m.clone()
-                work.append((p, group, lay, u.float(), _local(state["variance_buffer"])))
-        buckets: dict[int, list] = {}
-        for item in work:
-            buckets.setdefault(id(item[2].group), []).append(item)
+                params = self._fused.get(id(p), (p,))
+                if params and (unit := self._unit(group, params)) is not None:
+                    work.append(unit)
+        buckets: dict[int, list[_Unit]] = {}
+        for unit in work:
+            buckets.setdefault(id(unit.members[0].lay.group), []).append(unit)
         for bucket in buckets.values():
-            updates = self._exchange(bucket) if bucket[0][2].world > 1 else self._compute(bucket)
-            for (p, group, lay, _, _), upd in zip(bucket, updates):
-                w = _matrix(_local(p), lay.cols)
-                upd = upd.to(w.dtype)
-                lr, wd = group["lr"], group["weight_decay"]
-                if wd:
-                    w.addcmul_((upd * w >= 0).to(w.dtype), w, value=-lr * wd)
-                w.add_(upd, alpha=-lr)
+            world = bucket[0].members[0].lay.world
+            updates = self._exchange(bucket) if world > 1 else self._compute(bucket)
+            for unit, upds in zip(bucket, updates):
+                lr, wd = unit.group["lr"], unit.group["weight_decay"]
+                for member, upd in zip(unit.members, upds):
+                    w = _matrix(_local(member.param), member.lay.cols)
+                    upd = upd.to(w.dtype)
+                    if wd:
+                        w.addcmul_((upd * w >= 0).to(w.dtype), w, value=-lr * wd)
+                    w.add_(upd, alpha=-lr)
         return loss
 
-    def _compute(self, bucket) -> list[torch.Tensor]:
+    def _compute(self, bucket: list[_Unit]) -> list[list[torch.Tensor]]:
         """All rows are local: orthogonalise each matrix here."""
         out = []
-        for _, group, _, u, var in bucket:
-            v32 = var.float()
-            o = orthogonalized_update(u, v32, group["beta2"], DTYPES[group["ortho_dtype"]])
-            var.copy_(v32)
-            out.append(o)
+        for unit in bucket:
+            vs = [m.var.float() for m in unit.members]
+            upds, stats = unit.update([m.u for m in unit.members], vs)
+            for m, v in zip(unit.members, stats):
+                m.var.copy_(v)
+            out.append(upds)
         return out
 
-    def _exchange(self, bucket) -> list[torch.Tensor]:
+    def _exchange(self, bucket: list[_Unit]) -> list[list[torch.Tensor]]:
         """Owner-compute over one shard group: rows to owners, full-matrix update, rows back."""
-        lay0 = bucket[0][2]
+        lay0 = bucket[0].members[0].lay
         group, world, me = lay0.group, lay0.world, lay0.rank
-        owners = assign_owners([(lay.rows, lay.cols) for _, _, lay, _, _ in bucket], world)
+        owners = assign_owners([(unit.rows, unit.cols) for unit in bucket], world)
         mine = [i for i, o in enumerate(owners) if o == me]
-        empty = bucket[0][3].new_empty(0)  # a rank that owns nothing sends nothing back
+        empty = bucket[0].members[0].u.new_empty(0)  # a rank that owns nothing sends nothing
 
         def a2a(send_parts: list[list[torch.Tensor]], recv_sizes: list[int]) -> list[torch.Tensor]:
             send = torch.cat([t.reshape(-1) for parts in send_parts for t in parts] or [empty])
@@ -281,47 +398,53 @@ class Muon(torch.optim.Optimizer):
             self.collectives += 1
             return list(recv.split(recv_sizes))
 
-        # 1. my rows of U and my slice of V, to each matrix's owner
+        def held(i: int, r: int) -> int:  # elements of unit i (U rows and statistics) on rank r
+            return sum(sum(m.lay.sizes(r)) for m in bucket[i].members)
+
+        # 1. my rows of U and my slice of V of every member, to each matrix's owner
         send = [[] for _ in range(world)]
-        for i, (_, _, _, u_i, var) in enumerate(bucket):
-            send[owners[i]] += [u_i, var.float()]
-        recv_sizes = [sum(sum(bucket[i][2].sizes(s)) for i in mine) for s in range(world)]
-        received = a2a(send, recv_sizes)
-        # 2. the owner's full matrices
-        full_u = {i: [] for i in mine}
-        full_v = {i: [] for i in mine}
+        for i, unit in enumerate(bucket):
+            for m in unit.members:
+                send[owners[i]] += [m.u, m.var.float()]
+        received = a2a(send, [sum(held(i, s) for i in mine) for s in range(world)])
+        # 2. the owner's full matrices: per member, the ranks' rows and statistics in rank order
+        full_u = {i: [[] for _ in bucket[i].members] for i in mine}
+        full_v = {i: [[] for _ in bucket[i].members] for i in mine}
         for s, buf in enumerate(received):
             off = 0
             for i in mine:
-                lay = bucket[i][2]
-                nu, nv = lay.sizes(s)
-                full_u[i].append(buf[off : off + nu].view(nu // lay.cols, lay.cols))
-                full_v[i].append(buf[off + nu : off + nu + nv].view(lay.stat_shape(nv)))
-                off += nu + nv
+                for k, m in enumerate(bucket[i].members):
+                    lay = m.lay
+                    nu, nv = lay.sizes(s)
+                    full_u[i][k].append(buf[off : off + nu].view(nu // lay.cols, lay.cols))
+                    full_v[i][k].append(buf[off + nu : off + nu + nv].view(lay.stat_shape(nv)))
+                    off += nu + nv
         back = [[] for _ in range(world)]
         for i in mine:
-            _, group_i, lay, _, _ = bucket[i]
-            var = torch.cat(full_v[i], dim=lay.stat_dim)
-            o = orthogonalized_update(
-                torch.cat(full_u[i]), var, group_i["beta2"], DTYPES[group_i["ortho_dtype"]]
-            )
-            rows = o.split(lay.row_sizes())
-            stats = var.split(lay.stat_sizes(), dim=lay.stat_dim)
-            for r in range(world):
-                back[r] += [rows[r], stats[r]]
+            unit = bucket[i]
+            us = [torch.cat(parts) for parts in full_u[i]]
+            dim = unit.members[0].lay.stat_dim
+            vs = [torch.cat(parts, dim=dim) for parts in full_v[i]]
+            upds, stats = unit.update(us, vs)
+            for m, o, v in zip(unit.members, upds, stats):
+                rows = o.split(m.lay.row_sizes())
+                slices = v.split(m.lay.stat_sizes(), dim=dim)
+                for r in range(world):
+                    back[r] += [rows[r], slices[r]]
         # 3. my rows of every update and my slice of every V
-        recv_sizes = [
-            sum(sum(bucket[i][2].sizes(me)) for i, o in enumerate(owners) if o == s)
-            for s in range(world)
-        ]
-        returned = a2a(back, recv_sizes)
-        out: list[torch.Tensor | None] = [None] * len(bucket)
+        returned = a2a(
+            back,
+            [sum(held(i, me) for i, o in enumerate(owners) if o == s) for s in range(world)],
+        )
+        out: list[list[torch.Tensor]] = []
         offsets = [0] * world
-        for i, (_, _, lay, _, var) in enumerate(bucket):
-            s = owners[i]
-            nu, nv = lay.sizes(me)
-            buf, off = returned[s], offsets[s]
-            out[i] = buf[off : off + nu].view(nu // lay.cols, lay.cols)
-            var.copy_(buf[off + nu : off + nu + nv].view(var.shape))
-            offsets[s] = off + nu + nv
+        for i, unit in enumerate(bucket):
+            s, upds = owners[i], []
+            for m in unit.members:
+                nu, nv = m.lay.sizes(me)
+                buf, off = returned[s], offsets[s]
+                upds.append(buf[off : off + nu].view(nu // m.lay.cols, m.lay.cols))
+                m.var.copy_(buf[off + nu : off + nu + nv].view(m.var.shape))
+                offsets[s] = off + nu + nv
+            out.append(upds)
         return out

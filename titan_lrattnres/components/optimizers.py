@@ -5,9 +5,10 @@
   lets a group claim only parameters of at least ``min_ndim`` dimensions (:class:`ParamGroup`).
 - :func:`recipe_param_groups`: the paper's routing. Muon (lr 1e-3, cautious wd 0.1) for every
   >= 2-D weight but the embedding and the LM head -- the fused ``[W^O; W^K]`` projections and
-  ``router.embedding_key`` included; AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the embedding,
-  the LM head, the depth queries (``router.query_<t>``, AdamW in the paper) and any 1-D
-  parameter.
+  ``router.embedding_key`` included, and each MLP's ``w1`` / ``w3`` orthogonalised as one
+  matrix ``[w1; w3]`` (the paper's fused ``fc1``; ``fuse_mlp_input``); AdamW (lr 3e-4, betas
+  (0.9, 0.95), wd 0) for the embedding, the LM head, the depth queries (``router.query_<t>``,
+  AdamW in the paper) and any 1-D parameter.
 - :class:`MomentumLRSchedulers`: torchtitan's LR schedule (the same lambda for both optimisers,
   as in the paper) plus Muon's momentum schedule: warmup 0.85 -> 0.95 over the first steps,
   cooldown back to 0.85 over the last ones (the paper: 300 and 100 steps).
@@ -29,6 +30,8 @@ from titan_lrattnres.components.muon import Muon
 from titan_lrattnres.training import torchtitan_internals as internals
 
 MUON_LR, ADAMW_LR = 1e-3, 3e-4
+MLP_INPUT = (("feed_forward.w1.weight", "feed_forward.w3.weight"),)
+"""``Muon(fuse=...)`` for the paper's ``fc1 = [W1; W3]``: each MLP's gate and up projections."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -102,8 +105,11 @@ def recipe_param_groups(
     weight_decay: float = 0.1,
     ortho_dtype: str = "bfloat16",
     implementation: str = "fused",
+    fuse_mlp_input: bool = True,
 ) -> MuonOptimizersContainer.Config:
-    """The paper's Muon / AdamW split (paper-details.md, "Optimiser")."""
+    """The paper's Muon / AdamW split (docs/training.md). ``fuse_mlp_input``: Muon treats each
+    MLP's ``[w1; w3]`` as one matrix, as the paper's fused ``fc1`` (a Muon constructor argument,
+    so the optimiser's checkpoint is the same either way)."""
 
     def adamw(pattern: str, **extra) -> ParamGroup:
         kwargs = {"lr": adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
@@ -128,7 +134,11 @@ def recipe_param_groups(
         ),
         adamw(r".*", optional=True),  # 1-D parameters (none in this model: norms have no gain)
     ]
-    return MuonOptimizersContainer.Config(param_groups=groups, implementation=implementation)
+    return MuonOptimizersContainer.Config(
+        param_groups=groups,
+        implementation=implementation,
+        optimizer_factory_kwargs_by_name={"Muon": {"fuse": MLP_INPUT}} if fuse_mlp_input else {},
+    )
 
 
 def muon_momentum(step: int, total: int, warmup: int, cooldown: int, lo: float, hi: float) -> float:
@@ -211,6 +221,7 @@ def routing(optimizers: OptimizersContainer) -> dict[str, str]:
 
 
 __all__ = [
+    "MLP_INPUT",
     "MomentumLRSchedulers",
     "MuonOptimizersContainer",
     "ParamGroup",

@@ -1,11 +1,14 @@
 """The paper's Muon: Polar Express against an SVD reference, one step against a readable
-reference, parameter routing by name, the momentum schedule, and 2 gloo ranks (FSDP2 and HSDP
-meshes) against one process plus a DCP save / resume (``muon_dist_worker.py``)."""
+reference, fused ``[w1; w3]`` against Muon on the concatenated matrix, parameter routing by name,
+the momentum schedule, 2 gloo ranks (FSDP2 and HSDP meshes, fused pairs) against one process plus
+a DCP save / resume (``muon_dist_worker.py``), and trainer checkpoints of the recipe resumed at
+another data-parallel size."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.titan_lrattnres.trainer_runs import launch
 from titan_lrattnres import model_registry
 from titan_lrattnres.components.muon import POLAR_EXPRESS_COEFFS, Muon, assign_owners, polar_express
 from titan_lrattnres.components.optimizers import (
+    MLP_INPUT,
     MomentumLRSchedulers,
     muon_momentum,
     recipe_param_groups,
@@ -88,6 +93,90 @@ def test_one_process_step_equals_the_reference():
         opt.step()
     for p, w in zip(params, refs):
         assert (p.detach() - w).abs().max() < 1e-6
+
+
+# [w1; w3] row counts: tall members, wide members whose concatenation is tall, a wide
+# concatenation (one shared column statistic); 16 columns
+FUSED_ROWS = {"tall": (24, 20), "mixed": (10, 12), "wide": (5, 6)}
+
+
+def _fused_pair(rows: tuple[int, int], fuse: bool, seed: int = 0):
+    """``(params, named groups, Muon)`` for one MLP's ``w1`` / ``w3`` and an unfused ``wo``."""
+    g = torch.Generator().manual_seed(seed)
+    names = ["mlp.w1.weight", "mlp.w3.weight", "attn.wo.weight"]
+    shapes = [(rows[0], 16), (rows[1], 16), (16, 16)]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = Muon(
+        [{"params": params, "param_names": names}],
+        lr=0.02,
+        ortho_dtype="float32",
+        fuse=(("w1.weight", "w3.weight"),) if fuse else (),
+    )
+    return params, opt
+
+
+@pytest.mark.parametrize("case", FUSED_ROWS)
+def test_fused_pair_equals_muon_on_the_concatenated_matrix(case):
+    """3 steps of Muon with ``[w1; w3]`` fused equal, to the bit, Muon on one parameter holding
+    the concatenation (momentum, Polar Express, NorMuon statistics over its right axis, update
+    scale of its shape); apart, the direction differs."""
+    params, opt = _fused_pair(FUSED_ROWS[case], fuse=True)
+    apart, apart_opt = _fused_pair(FUSED_ROWS[case], fuse=False)
+    cat = torch.nn.Parameter(torch.cat([params[0].detach(), params[1].detach()]))
+    wo = torch.nn.Parameter(params[2].detach().clone())
+    ref_opt = Muon([cat, wo], lr=0.02, ortho_dtype="float32")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        for p, q, gr in zip(params, apart, grads):
+            p.grad, q.grad = gr, gr.clone()
+        cat.grad, wo.grad = torch.cat(grads[:2]), grads[2]
+        for o in (opt, apart_opt, ref_opt):
+            o.step()
+    assert torch.equal(torch.cat([params[0], params[1]]), cat)
+    assert torch.equal(params[2], wo)
+    # the statistics: each member keeps its rows of a tall concatenation's, a copy of a wide one's
+    stats = [opt.state[p]["variance_buffer"] for p in params[:2]]
+    ref_stats = ref_opt.state[cat]["variance_buffer"]
+    if case == "wide":
+        assert all(torch.equal(v, ref_stats) and v.shape == (1, 16) for v in stats)
+    else:
+        assert torch.equal(torch.cat(stats), ref_stats) and stats[0].shape[1] == 1
+    step_fused = torch.cat([params[0], params[1]]) - torch.cat([apart[0], apart[1]])
+    assert step_fused.abs().max() > 1e-3  # orthogonalised apart: another update
+
+
+def test_fuse_refuses_incomplete_or_unnamed_pairs():
+    fuse = (("w1.weight", "w3.weight"),)
+    w1, w3 = torch.nn.Parameter(torch.zeros(4, 3)), torch.nn.Parameter(torch.zeros(4, 3))
+    with pytest.raises(ValueError, match="param_names"):
+        Muon([w1, w3], fuse=fuse)
+    with pytest.raises(ValueError, match=r"\['a\.w3\.weight'\] not in this param group"):
+        Muon([{"params": [w1], "param_names": ["a.w1.weight"]}], fuse=fuse)
+    with pytest.raises(ValueError, match="columns differ"):
+        bad = torch.nn.Parameter(torch.zeros(4, 5))
+        Muon([{"params": [w1, bad], "param_names": ["a.w1.weight", "a.w3.weight"]}], fuse=fuse)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_recipe_fuses_each_mlp_input_pair(fused):
+    """The container hands ``fuse`` to Muon (not into its param groups: checkpoints are the same
+    with and without it); every MLP's ``w1`` / ``w3`` become one matrix, nothing else."""
+    model = model_registry("debug", variant="projected", blocks=2, rank=16).model.build()
+    cfg = recipe_param_groups("projected", implementation="for-loop", fuse_mlp_input=fused)
+    muon = next(o for o in cfg.build(model_parts=[model]) if isinstance(o, Muon))
+    assert "fuse" not in muon.param_groups[0]
+    ids = {id(p): n for n, p in model.named_parameters()}
+    pairs = sorted(tuple(ids[id(p)] for p in ps) for ps in muon._fused.values() if ps)
+    assert muon.fuse == (MLP_INPUT if fused else ())
+    assert pairs == (
+        [
+            (f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.feed_forward.w3.weight")
+            for i in (1, 3)
+        ]
+        if fused
+        else []
+    )
 
 
 def test_muon_refuses_vectors_and_unknown_dtypes():
@@ -195,6 +284,21 @@ def test_dcp_resume_gives_a_bitwise_identical_next_step(two_ranks):
         assert rank["dcp"] == {"bitwise": True, "variance_shard": True}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_fused_pairs_equal_one_process_on_the_concatenation(two_ranks, dtype):
+    """Members sharded by their own rows (uneven, one empty); the pair's owner gathers both,
+    concatenates, orthogonalises and returns each rank its rows: 3 steps equal one process's
+    Muon on ``[w1; w3]`` (fp32 1e-6, bf16 0), in the same 2 all-to-alls per step."""
+    for rank in two_ranks:
+        r = rank[f"fused_{dtype}"]
+        assert r["max_abs_diff"] <= (1e-6 if dtype == "float32" else 0.0), r
+        assert r["collectives_per_step"] == 2.0
+        stats = r["variance_placements"]  # a tall concatenation: per row; wide: per column
+        assert stats == {"tall_w1": "S(0)", "tall_w3": "S(0)", "wide_w1": "S(1)",
+                         "wide_w3": "S(1)", "tiny_w1": "S(1)", "tiny_w3": "S(1)"}  # fmt: skip
+
+
 @pytest.mark.parametrize("name", ["paper_sliced_block8_r64", "paper_projected_block8_r32_float8"])
 def test_paper_configs_train_the_recipe(name):
     import train_configs
@@ -231,3 +335,82 @@ def test_muon_refuses_tensor_parallel_layouts():
     p.placements = (Replicate(), Shard(1))  # row-parallel TP weight
     with pytest.raises(NotImplementedError, match="not tensor parallel"):
         Muon([torch.nn.Parameter(torch.zeros(2, 2)), p])
+
+
+# --- the recipe's trainer checkpoints resumed at another data-parallel size -----------------
+# cpu_smoke_muon (Muon + AdamW, momentum schedule, z-loss) for 4 steps, a checkpoint after 2:
+# step 3's loss checks the weights and the data position, step 4's the optimisers' state (Muon's
+# momentum and DTensor statistics, AdamW's moments; resumed without it, step 4's loss moves by
+# ~4e-3 relative). Launches as in parallel/test_parity.py (trainer_runs); tolerance as its
+# cross-size resume test.
+RESUME_CONFIG, RESUME_STEPS, RESUME_SAVE_AT, RESUME_RTOL = "cpu_smoke_muon", 4, 2, 1e-5
+ONE_PROCESS = ["--training.local_batch_size", "4"]
+TWO_RANKS = ["--training.local_batch_size", "2", "--parallelism.data_parallel_shard_degree", "2"]
+
+
+def _resume_run(w: Path, name: str, *extra: str) -> dict:
+    argv = [RESUME_CONFIG, "--dump_folder", str(w / name), "--debug.deterministic"]
+    argv += ["--training.steps", str(RESUME_STEPS), "--checkpoint.interval", str(RESUME_SAVE_AT)]
+    return {"name": name, "argv": [*argv, "--validator.no-enable", *extra]}
+
+
+def _checkpoint_into(src: Path, dst: Path) -> None:
+    """A fresh run folder holding only ``src``'s checkpoint after ``RESUME_SAVE_AT`` steps."""
+    step = f"step-{RESUME_SAVE_AT}"
+    (dst / "checkpoint").mkdir(parents=True)
+    shutil.copytree(src / "checkpoint" / step, dst / "checkpoint" / step)
+    shutil.copy(src / "checkpoint" / "model_fingerprint.json", dst / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def recipe_resumes(env, tmp_path_factory):
+    """One process -> checkpoint; 2 ranks: uninterrupted + resume of it; one process: resume of
+    the 2-rank checkpoint (three launches: each needs the previous one's checkpoint)."""
+    w = tmp_path_factory.mktemp("muon_resume")
+    results, _ = launch([_resume_run(w, "one", *ONE_PROCESS)], w / "launch1", env)
+    _checkpoint_into(w / "one", w / "resume_at_2")
+    runs = [_resume_run(w, n, *TWO_RANKS) for n in ("two", "resume_at_2")]
+    results.update(launch(runs, w / "launch2", env, nproc=2)[0])
+    _checkpoint_into(w / "two", w / "resume_at_1")
+    results.update(launch([_resume_run(w, "resume_at_1", *ONE_PROCESS)], w / "launch3", env)[0])
+    for name, r in results.items():
+        print(f"{name}: rc {r['rc']}, {r['wall_s']:.1f} s")
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "resumed, writer, saved_at, now",
+    [("resume_at_1", "two", 2, 1), ("resume_at_2", "one", 1, 2)],
+    ids=["2_to_1", "1_to_2"],
+)
+def test_recipe_checkpoint_resumes_at_the_other_data_parallel_size(
+    recipe_resumes, resumed, writer, saved_at, now
+):
+    """Saved by 2 ranks and resumed by 1 process (and the reverse): the losses and float64
+    gradient norms of the steps after the checkpoint equal the uninterrupted run's."""
+    runs = {}
+    for name in (resumed, writer):
+        r = recipe_resumes[name]
+        assert r["rc"] == 0, r["output"][-4000:]
+        assert "Optimizer Muon" in r["output"] and "Optimizer AdamW" in r["output"]
+        steps = [h["step"] for h in r["history"]]
+        runs[name] = {
+            "loss": {h["step"]: h["loss"] for h in r["history"]},
+            "grad_norm_fp64": dict(zip(steps, r["grad_norm_fp64"])),
+        }
+    out = recipe_resumes[resumed]["output"]
+    assert f"step-{RESUME_SAVE_AT}" in out
+    assert f"written at {saved_at} data-parallel ranks, now {now}" in out
+    after = list(range(RESUME_SAVE_AT + 1, RESUME_STEPS + 1))
+    assert sorted(runs[resumed]["loss"]) == after, f"{resumed} did not resume"
+    for key in ("loss", "grad_norm_fp64"):
+        got, ref = runs[resumed][key], runs[writer][key]
+        rel = {s: abs(got[s] - ref[s]) / abs(ref[s]) for s in after}
+        print(f"{resumed} {key}: rel diff per step {rel}")
+        assert max(rel.values()) <= RESUME_RTOL, (key, got, ref)
+    # the tolerance can fail: consecutive steps' losses differ by far more
+    ref = runs[writer]["loss"]
+    assert (
+        min(abs(ref[s + 1] - ref[s]) / ref[s] for s in range(1, RESUME_STEPS)) > 100 * RESUME_RTOL
+    )
