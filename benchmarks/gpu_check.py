@@ -1,6 +1,6 @@
 """One-shot GPU check of the code users run (``benchmarks/gpu_check.sh`` installs what the GPU
-image lacks and calls this). Sections, in order; each writes its result or its error to the JSON
-(rewritten after every section), so one failure never hides the others:
+machine's Python lacks and calls this). Sections, in order; each writes its result or its error
+to the JSON (rewritten after every section), so one failure never hides the others:
 
 1. ``ops_check``: ``torch.library.opcheck`` of every op (compiled and Triton impls), forward +
    backward parity of ``depth_read`` and forward parity of the two-phase read vs the reference.
@@ -150,7 +150,7 @@ def trainer_start(tmp: Path) -> dict:
 
 def _corpus_env() -> dict:
     """The Trainer refuses a corpus cached by another Python (a different stdlib): a clone
-    carried to the GPU image may hold one, so that Python gets a cache of its own."""
+    copied to the GPU machine may hold one, so that Python gets a cache of its own."""
     try:
         from titan_lrattnres.components import data
 

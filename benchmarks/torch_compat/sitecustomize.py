@@ -105,7 +105,7 @@ def _chain_next_sitecustomize() -> None:
         path = os.path.join(entry or os.getcwd(), "sitecustomize.py")
         if os.path.abspath(entry or os.getcwd()) == here or not os.path.isfile(path):
             continue
-        spec = importlib.util.spec_from_file_location("_image_sitecustomize", path)
+        spec = importlib.util.spec_from_file_location("_site_sitecustomize", path)
         if spec is not None and spec.loader is not None:
             spec.loader.exec_module(importlib.util.module_from_spec(spec))
         return
@@ -118,4 +118,4 @@ except Exception as e:  # noqa: BLE001 (start-up must not fail; the check report
 try:
     _chain_next_sitecustomize()
 except Exception as e:  # noqa: BLE001
-    print(f"[torch_compat] image sitecustomize failed: {type(e).__name__}: {e}", file=sys.stderr)
+    print(f"[torch_compat] the next sitecustomize failed: {type(e).__name__}: {e}", file=sys.stderr)

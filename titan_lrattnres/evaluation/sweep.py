@@ -13,8 +13,8 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
   cross-entropy over ``--val-batches`` batches of the run's ``[local_batch_size, seq_len]``,
   reported as mean ± 1.96·std/sqrt(n) (falls back to the trainer's ``final_val_loss``, no CI,
   when no validation text is available);
-- added FLOPs % (SPEC §5, ``titan_lrattnres.model.flops.added_flops_percent``), parameters and
-  tokens/s (the run's ``summary.json``);
+- added FLOPs % (docs/method.md §5, ``titan_lrattnres.model.flops.added_flops_percent``),
+  parameters and tokens/s (the run's ``summary.json``);
 - peak memory per rank of one training step as ``python -m benchmarks.memory`` predicts it for
   the run's shape (flavor, variant, blocks, rank, seq, local batch; AC mode, parameter dtype,
   optimizer and loss of the run's config; FSDP size = its data-parallel degree), computed once
@@ -412,7 +412,7 @@ def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:
             xytext=(5, 5),
             fontsize=8,
         )
-    ax.set_xlabel("added FLOPs % (SPEC §5, forward, per token)")
+    ax.set_xlabel("added FLOPs % (forward, per token)")
     ax.set_ylabel("validation loss")
     ax.set_title(title or "validation loss vs added FLOPs")
     ax.grid(alpha=0.3)

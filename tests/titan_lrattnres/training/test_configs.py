@@ -1,4 +1,5 @@
-"""Named experiments: every name builds a Trainer.Config; the paper grid follows SPEC §6."""
+"""Named experiments: every name builds a Trainer.Config; the paper grid follows docs/method.md
+§6."""
 
 from __future__ import annotations
 
