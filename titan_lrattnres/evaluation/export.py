@@ -2,7 +2,7 @@
 Hugging Face folder.
 
     python -m titan_lrattnres.export --checkpoint CKPT --out DIR \
-        [--format all|export|aoti|safetensors|hf] [--tokenizer tokenizer.json]
+        [--format all|export|aoti|safetensors|hf] [--tokenizer tokenizer.json] [--no-python-free]
 
 Writes into ``DIR``:
 - ``model.pt2``: ``torch.export.export`` of the model in eval mode (``tokens [B, T] int64 ->
@@ -11,8 +11,15 @@ Writes into ``DIR``:
   depth backend; ``reference`` exports plain aten ops. Load with
   ``titan_lrattnres.evaluation.inference.load_exported`` (imports ``custom_ops`` first, as any
   loader must);
-- ``model_aoti.pt2``: the same program compiled ahead of time by AOTInductor for this machine's
-  device (CPU here); load with ``titan_lrattnres.evaluation.inference.load_aoti``;
+- ``model_aoti.pt2``: the program compiled ahead of time by AOTInductor for this machine's
+  device (CPU here); load with ``titan_lrattnres.evaluation.inference.load_aoti``, or from C++
+  with no Python in the process (``torch::inductor::AOTIModelPackageLoader``; a small loader is
+  ``titan_lrattnres/evaluation/aoti_runner.cpp``). Python-free by default (``--python-free``):
+  the package is exported from the same weights with the ``reference`` depth backend, whose reads
+  are plain aten ops, so its graph has no ``lrattnres::`` node (checked before compiling).
+  ``--no-python-free`` keeps the model's depth backend, whose ``lrattnres::`` nodes are
+  Python-registered ops: such a package loads only in a Python process that imports
+  ``custom_ops``;
 - ``safetensors/``: ``model.safetensors`` + ``config.json`` (build_model_config kwargs + format
   version), which ``titan_lrattnres.evaluation.inference.load_model`` rebuilds into the same model;
 - ``hf/``: a Hugging Face transformers folder (``config.json`` with ``auto_map``,
@@ -27,7 +34,9 @@ Writes into ``DIR``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import subprocess
 from pathlib import Path
 
 import torch
@@ -69,6 +78,68 @@ def custom_op_nodes(program) -> list[str]:
     ]
 
 
+@contextlib.contextmanager
+def depth_backend(model, backend: str):
+    """Run ``model``'s depth reads with ``backend`` inside the block (same weights: the backend
+    is how the router computes a read, not what it holds); restored on exit."""
+    router = model.router
+    old, router.backend = router.backend, backend
+    try:
+        yield model
+    finally:
+        router.backend = old
+
+
+def export_python_free(model, *, dynamic: bool = True):
+    """``export_program`` of ``model`` with the ``reference`` depth backend: the depth reads as
+    plain aten ops, no ``lrattnres::`` node, so the AOTInductor package compiled from it runs
+    without Python (``AOTIModelPackageLoader`` in a C++ process). Raises if a node remains."""
+    with depth_backend(model, "reference"):
+        program = export_program(model, dynamic=dynamic)
+    left = custom_op_nodes(program)
+    if left:
+        raise RuntimeError(
+            f"reference depth backend exported lrattnres:: nodes {sorted(set(left))}"
+        )
+    return program
+
+
+RUNNER_SOURCE = Path(__file__).with_name("aoti_runner.cpp")
+
+
+def aoti_runner_command(binary: str | Path, *, compiler: str = "g++") -> list[str]:
+    """The command that builds ``aoti_runner.cpp`` (a C++ loader of ``model_aoti.pt2``) into
+    ``binary`` against the installed torch wheel's libtorch: its headers and libraries, its
+    C++ ABI, C++20 (the torch headers need it), rpath to ``torch/lib``. ``--no-as-needed``
+    keeps ``libtorch.so`` loaded: the package's compiled model needs it, and a library loaded
+    with ``dlopen`` does not search the program's rpath."""
+    root = Path(torch.__file__).parent
+    lib = root / "lib"
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return [
+        compiler,
+        "-std=c++20",
+        "-O2",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        str(RUNNER_SOURCE),
+        "-o",
+        str(binary),
+        f"-I{root / 'include'}",
+        f"-L{lib}",
+        f"-Wl,-rpath,{lib}",
+        "-Wl,--no-as-needed",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+    ]
+
+
+def build_aoti_runner(binary: str | Path, *, compiler: str = "g++") -> Path:
+    """Build the C++ loader (``aoti_runner_command``); returns ``binary``. ~10 s."""
+    subprocess.run(aoti_runner_command(binary, compiler=compiler), check=True)
+    return Path(binary)
+
+
 def compile_aoti(program, path: str | Path) -> Path:
     import torch._inductor
 
@@ -83,9 +154,12 @@ def export_all(
     *,
     dynamic: bool = True,
     tokenizer: str | Path | None = None,
+    python_free: bool = True,
 ) -> dict:
     """Write the requested formats into ``out``; returns the ``export.json`` record.
-    ``tokenizer``: the ``tokenizer.json`` the hf folder carries (None: none)."""
+    ``tokenizer``: the ``tokenizer.json`` the hf folder carries (None: none). ``python_free``:
+    compile the AOTInductor package from the reference-backend program (no ``lrattnres::``
+    node; loads from C++ without Python); False: from the model's own backend."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     record: dict = {"model_args": model_args, "files": {}}
@@ -98,18 +172,29 @@ def export_all(
         record["hf"] = export_hf(model, out / "hf", tokenizer=tokenizer)
         record["files"]["hf"] = "hf"
     if "export" in formats or "aoti" in formats:
-        program = export_program(model, dynamic=dynamic)
-        record["custom_op_nodes"] = sorted(set(custom_op_nodes(program)))
-        record["depth_backend"] = model.router.backend
         record["dynamic"] = (
             {"batch": [1, None], "seq": [MIN_SEQ, max_seq_len(model)]} if dynamic else None
         )
+        program = None  # the model's own depth backend (model.pt2)
+        if "export" in formats or not python_free or model.router.backend == "reference":
+            program = export_program(model, dynamic=dynamic)
+            record["custom_op_nodes"] = sorted(set(custom_op_nodes(program)))
+            record["depth_backend"] = model.router.backend
         if "export" in formats:
             torch.export.save(program, str(out / "model.pt2"))
             record["files"]["export"] = "model.pt2"
         if "aoti" in formats:
-            compile_aoti(program, out / "model_aoti.pt2")
+            aoti_program, aoti_backend = program, model.router.backend
+            if program is None or (python_free and record["custom_op_nodes"]):
+                aoti_program, aoti_backend = export_python_free(model, dynamic=dynamic), "reference"
+            nodes = sorted(set(custom_op_nodes(aoti_program)))
+            compile_aoti(aoti_program, out / "model_aoti.pt2")
             record["files"]["aoti"] = "model_aoti.pt2"
+            record["aoti"] = {
+                "depth_backend": aoti_backend,
+                "custom_op_nodes": nodes,
+                "python_free": not nodes,  # AOTIModelPackageLoader from C++, no Python
+            }
     (out / "export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
@@ -129,6 +214,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--static", action="store_true", help="export the example shape only")
     p.add_argument(
+        "--python-free",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="AOTInductor package from the reference depth backend: no lrattnres:: node, loads "
+        "from C++ without Python (default); --no-python-free keeps the model's depth backend "
+        "(the package then needs a Python process that imports custom_ops)",
+    )
+    p.add_argument(
         "--tokenizer",
         help="tokenizer.json for the hf folder (default: beside the checkpoint, else the "
         "embedded corpus's when built)",
@@ -142,7 +235,15 @@ def main(argv=None) -> int:
     tokenizer = None
     if "hf" in formats:
         tokenizer = ns.tokenizer or find_tokenizer(path) or default_tokenizer(model.vocab_size)
-    record = export_all(model, args, ns.out, formats, dynamic=not ns.static, tokenizer=tokenizer)
+    record = export_all(
+        model,
+        args,
+        ns.out,
+        formats,
+        dynamic=not ns.static,
+        tokenizer=tokenizer,
+        python_free=ns.python_free,
+    )
     print(json.dumps(record, indent=2))
     return 0
 

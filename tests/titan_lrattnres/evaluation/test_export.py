@@ -128,7 +128,8 @@ def test_unknown_format_is_refused(tmp_path):
 def test_aoti_package_reloads_in_fresh_process(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor_cache"))
     model, args = trained("projected", 2, depth_backend=None)
-    record = export.export_all(model, args, tmp_path / "out", formats=("aoti",))
+    # the package that keeps the lrattnres:: ops (the Python-free one: test_aoti_cpp.py)
+    record = export.export_all(model, args, tmp_path / "out", formats=("aoti",), python_free=False)
     assert record["files"] == {"aoti": "model_aoti.pt2"}
     xs = _inputs(tmp_path)
     got = _fresh_process("aoti", tmp_path / "out" / "model_aoti.pt2", tmp_path)
