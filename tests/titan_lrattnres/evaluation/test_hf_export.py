@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCac
 
 from custom_ops import reference
 from custom_ops.schedule import schedule_ends
+from tests.titan_lrattnres._tiny import trained
 from titan_lrattnres.components.data import train_tokenizer
 from titan_lrattnres.evaluation import generate as gen
 from titan_lrattnres.evaluation.hf import (
@@ -67,19 +68,7 @@ def _model(variant, schedule, seed=0):
 
 def _trained(variant, blocks, steps=3):
     """A ``debug`` model (JSON-able args, V=300) trained a few AdamW steps on random tokens."""
-    torch.manual_seed(0)
-    args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16, vocab_size=V)
-    model = build_model(args, depth_backend="reference").train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    data = torch.randint(0, V, (4, 33))
-    for _ in range(steps):
-        logits = model(data[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), data[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    assert any(q.abs().max() > 0 for q in model.router.query_params())
-    return model.eval(), args
+    return trained(variant, blocks, steps=steps, vocab_size=V)
 
 
 def _tokenizer(folder: Path) -> Path:

@@ -74,8 +74,10 @@ def _val_texts(cache: Path) -> list[str]:
 def test_task_reads_the_validation_split_verbatim(env, monkeypatch):
     # shipped: the YAML is package data, so an installed package has it beside the loader
     assert (task_dir() / f"{TASK}.yaml").is_file()
-    package_data = (ROOT / "pyproject.toml").read_text()
-    assert 'titan_lrattnres = ["evaluation/lm_eval_tasks/*.yaml"]' in package_data
+    lines = (ROOT / "pyproject.toml").read_text().splitlines()
+    section = lines[lines.index("[tool.setuptools.package-data]") + 1 :]
+    entry = next(line for line in section if line.startswith("titan_lrattnres = ["))
+    assert '"evaluation/lm_eval_tasks/*.yaml"' in entry.split("]")[0]
     monkeypatch.setenv(data.CACHE_ENV, env[data.CACHE_ENV])
     texts = _val_texts(Path(env[data.CACHE_ENV]))
     assert validation_docs()["test"]["text"] == texts
