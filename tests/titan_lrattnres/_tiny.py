@@ -1,4 +1,4 @@
-"""A tiny model trained a few steps, shared by the export and generation tests."""
+"""Small objects the tests share: a tiny model trained a few steps, a checkpoint manager."""
 
 import torch
 
@@ -21,3 +21,25 @@ def trained(variant, blocks, depth_backend="reference", steps=3, seed=0, vocab_s
     if variant != "baseline" and steps:
         assert any(q.abs().max() > 0 for q in model.router.query_params())  # no longer uniform
     return model.eval(), args
+
+
+def checkpointer(folder=None, **config):
+    """An ``LRAttnResCheckpointManager`` saving a small linear layer under ``folder`` (disabled
+    without one); ``config``: its Config's fields."""
+    from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
+
+    config = {
+        "enable": folder is not None,
+        "keep_latest_k": 0,
+        "last_save_model_only": False,
+        **config,
+    }
+    return LRAttnResCheckpointManager.Config(**config).build(
+        dataloader=None,
+        model_parts=[torch.nn.Linear(4, 4)],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(folder or ""),
+    )

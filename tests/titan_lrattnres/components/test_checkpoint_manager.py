@@ -6,11 +6,10 @@ recorded. One process, a one-rank gloo group (torchtitan's purge and async save 
 from __future__ import annotations
 
 import pytest
-import torch
 import torch.distributed as dist
 
+from tests.titan_lrattnres._tiny import checkpointer
 from titan_lrattnres.components import integrity
-from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
 
 
 @pytest.fixture
@@ -21,19 +20,8 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
-def manager(folder, async_mode: str) -> LRAttnResCheckpointManager:
-    config = LRAttnResCheckpointManager.Config(
-        enable=True, interval=2, keep_latest_k=2, last_save_model_only=False, async_mode=async_mode
-    )
-    return config.build(
-        dataloader=None,
-        model_parts=[torch.nn.Linear(4, 4)],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=str(folder),
-    )
+def manager(folder, async_mode: str):
+    return checkpointer(folder, interval=2, keep_latest_k=2, async_mode=async_mode)
 
 
 def complete(step) -> bool:

@@ -12,23 +12,10 @@ import pytest
 import torch
 from torchtitan.trainer import Trainer
 
+from tests.titan_lrattnres._tiny import checkpointer
 from titan_lrattnres.components import integrity
-from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager, NonFiniteLossError
+from titan_lrattnres.components.checkpoint import NonFiniteLossError
 from titan_lrattnres.training.trainer import LRAttnResTrainer
-
-
-def checkpointer(folder=None, **config) -> LRAttnResCheckpointManager:
-    """A manager saving a small linear layer under ``folder`` (disabled without one)."""
-    config = dict(enable=folder is not None, keep_latest_k=0, last_save_model_only=False, **config)
-    return LRAttnResCheckpointManager.Config(**config).build(
-        dataloader=None,
-        model_parts=[torch.nn.Linear(4, 4)],
-        optimizers=None,
-        lr_schedulers=None,
-        states={},
-        sd_adapter=None,
-        base_folder=str(folder or ""),
-    )
 
 
 @pytest.fixture
