@@ -7,8 +7,8 @@ loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the fina
 through the final RMSNorm and the LM head (docs/method.md §1). Parallelism: FSDP2 / HSDP, tensor
 parallel with or without sequence parallel, and both together (layouts:
 ``titan_lrattnres.parallel.sharding``); pipeline parallel (stages, the cross-stage source cache:
-``titan_lrattnres.parallel.pipeline``); context parallel is refused in
-``LRAttnResModel.Config.update_from_config``.
+``titan_lrattnres.parallel.pipeline``); context parallel with FlexAttention
+(``titan_lrattnres.parallel.context``).
 """
 
 from __future__ import annotations
@@ -139,12 +139,9 @@ class LRAttnResModel(Decoder):
             Decoder.Config.update_from_config(self, config=config, **kwargs)
             parallelism = config.parallelism
             if parallelism.context_parallel_degree > 1:
-                raise NotImplementedError(
-                    "LR-AttnRes does not support context parallel yet (parallelism."
-                    f"context_parallel_degree={parallelism.context_parallel_degree}; set it to "
-                    "1): torchtitan's CP needs FlexAttention (it refuses SDPA), FlexAttention "
-                    "has no CPU backward, so CP cannot be tested here; docs/parallelism.md"
-                )
+                from titan_lrattnres.parallel.context import check_context_parallel
+
+                check_context_parallel(self, parallelism)
             if parallelism.pipeline_parallel_degree > 1:
                 from titan_lrattnres.parallel.pipeline_plan import check_schedule
 

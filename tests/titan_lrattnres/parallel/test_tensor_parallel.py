@@ -152,12 +152,6 @@ def test_tp_refuses_a_loss_without_vocabulary_parallelism():
         c.model_spec.model.update_from_config(config=c)
 
 
-def test_context_parallel_is_refused_with_the_reason():
-    c = _trainer_config(context_parallel_degree=2)
-    with pytest.raises(NotImplementedError, match="needs FlexAttention .* no CPU backward"):
-        c.model_spec.model.update_from_config(config=c)
-
-
 # -- slow: multi-process parity ---------------------------------------------------------------
 @pytest.fixture(scope="module")
 def runs(env, tmp_path_factory):
