@@ -1,11 +1,20 @@
-"""2-rank Muon checks (run by test_muon.py under torch.distributed.run, gloo, CPU).
+"""Multi-rank Muon checks (gloo, CPU, under torch.distributed.run): ``worker.py OUT`` on 2 ranks
+(test_muon.py), ``worker.py OUT tp`` on 8 ranks (test_muon_tp.py).
 
-Each rank writes ``OUT/rank{r}.json``: for every layout (FSDP2 1-D mesh, HSDP (1, 2) and (2, 1)
-meshes) and ortho dtype, the largest |2-rank - 1-process| parameter difference over 3 steps and
-the all-to-all count; then whether a DCP save / load of the optimiser state gives a bitwise
-identical next step. The 1-process reference runs in each rank on plain tensors. ``fused_*``:
-pairs of parameters fused into one matrix (``Muon(fuse=...)``), each member sharded by its own
-rows, against one process's Muon on the concatenated matrices.
+Each rank writes ``OUT/rank{r}.json``. 2 ranks: for every layout (FSDP2 1-D mesh, HSDP (1, 2)
+and (2, 1) meshes) and ortho dtype, the largest |2-rank - 1-process| parameter difference over 3
+steps and the all-to-all count; then whether a DCP save / load of the optimiser state gives a
+bitwise identical next step. The 1-process reference runs in each rank on plain tensors.
+``fused_*``: pairs of parameters fused into one matrix (``Muon(fuse=...)``), each member sharded
+by its own rows, against one process's Muon on the concatenated matrices.
+
+8 ranks (``tp``): a tiny transformer layer's weights (``Stage``) laid out as torchtitan 0.3.0
+lays them out, by torch's tensor-parallel styles (``wqkv``, ``w1``, ``w3`` column-wise, ``wo``,
+``w2`` row-wise, ``router.embedding_key`` replicated over TP) and FSDP2's ``fully_shard``, on
+meshes cut from the 8 ranks: PP2 x FSDP2 x TP2 (each pipeline stage its own model part and
+Muon), HSDP (2 x 2) x TP2, TP2 on a ``dp_shard`` dim of 1 (the trainer's TP-only mesh) and TP2
+alone; fused ``[w1; w3]``, 3 steps against one process's Muon on the same weights; and a DCP
+save / load of the optimiser state at TP2 (each TP pair its own checkpoint).
 """
 
 from __future__ import annotations
@@ -20,10 +29,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 
 from titan_lrattnres.components.muon import Muon
-from titan_lrattnres.components.optimizers import MuonOptimizersContainer, ParamGroup
+from titan_lrattnres.components.optimizers import MLP_INPUT, MuonOptimizersContainer, ParamGroup
 from titan_lrattnres.training import cpu
 
 # tall uneven (19/18 rows), wide (Shard(1) statistics 19/18), 2/1 rows, 1/0 rows, 3-D, square
@@ -154,11 +168,15 @@ def fused_parity(ortho_dtype: str) -> dict:
     }
 
 
-def container(model: nn.Module) -> MuonOptimizersContainer:
+def container(model: nn.Module, fuse=()) -> MuonOptimizersContainer:
     group = ParamGroup(
         pattern=".*", optimizer_name="Muon", min_ndim=2, optimizer_kwargs={"lr": 0.02}
     )
-    cfg = MuonOptimizersContainer.Config(param_groups=[group], implementation="for-loop")
+    cfg = MuonOptimizersContainer.Config(
+        param_groups=[group],
+        implementation="for-loop",
+        optimizer_factory_kwargs_by_name={"Muon": {"fuse": fuse}} if fuse else {},
+    )
     return cfg.build(model_parts=[model])
 
 
@@ -187,24 +205,214 @@ def dcp_resume(folder: str) -> dict:
     }
 
 
-def main(out: str) -> None:
+# --- tensor parallel ---------------------------------------------------------------------------
+DIM = 24
+# (wqkv rows, wo columns, MLP hidden, embedding_key rows) per model part: stage 0 uneven TP and
+# FSDP2 shards (15/15 -> 8/7 rows; 19/18 -> 10/9, 9/9), a tall fused [w1; w3], a wide w2 (column
+# statistics over TP); stage 1 a wide wqkv, a wide fused [w1; w3] (5 rows each: 3/2 -> 2/1, 1/1,
+# one shared column statistic) and a 1-row embedding_key (one FSDP2 rank holds none)
+STAGES = ((30, 10, 37, 6), (9, 3, 5, 1))
+TP_PLAN = {
+    "attention.wqkv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+    "feed_forward.w3": ColwiseParallel(),
+}
+
+
+class Stage(nn.Module):
+    """One layer's Muon weights, named as the model's (``feed_forward.w1.weight`` ...)."""
+
+    def __init__(self, stage: int):
+        super().__init__()
+        qkv, inner, hidden, key = STAGES[stage]
+        torch.manual_seed(10 + stage)
+        linear = lambda i, o: nn.Linear(i, o, bias=False)  # noqa: E731
+        self.attention = nn.ModuleDict({"wqkv": linear(DIM, qkv), "wo": linear(inner, DIM)})
+        self.feed_forward = nn.ModuleDict(
+            {"w1": linear(DIM, hidden), "w2": linear(hidden, DIM), "w3": linear(DIM, hidden)}
+        )
+        self.router = nn.ModuleDict({"embedding_key": linear(DIM, key)})
+
+
+def stage_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(300 + step)
+    return {n: torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+def laid_out(stage: int, mesh, dp: tuple[str, ...]) -> nn.Module:
+    """``Stage(stage)`` under TP on ``mesh["tp"]`` and, when ``dp`` names mesh dims, FSDP2 (one
+    dim) or HSDP (two) over them: the placements torchtitan's parallelize gives."""
+    model = Stage(stage)
+    tp = mesh["tp"]
+    parallelize_module(model, tp, TP_PLAN)
+    key = model.router.embedding_key
+    key.weight = nn.Parameter(distribute_tensor(key.weight.detach(), tp, [Replicate()]))
+    if dp:
+        fully_shard(model, mesh=mesh[dp])
+    return model
+
+
+def named_groups(model: nn.Module) -> list[dict]:
+    named = list(model.named_parameters())
+    return [{"params": [p for _, p in named], "param_names": [n for n, _ in named]}]
+
+
+def tp_parity(stage: int, mesh, dp: tuple[str, ...], ortho_dtype: str) -> dict:
+    """3 steps of Muon (fused [w1; w3]) on the laid-out stage against one process's."""
+    ref, model = Stage(stage), laid_out(stage, mesh, dp)
+    kw = dict(lr=0.02, weight_decay=0.1, ortho_dtype=ortho_dtype, fuse=MLP_INPUT)
+    ref_opt, opt = Muon(named_groups(ref), **kw), Muon(named_groups(model), **kw)
+    params = dict(model.named_parameters())
+    refs = dict(ref.named_parameters())
+
+    def diff(of=lambda p, opt: p) -> float:
+        return max(
+            (of(params[n], opt).full_tensor() - of(refs[n], ref_opt)).abs().max().item()
+            for n in params
+        )
+
+    at_start = diff()
+    worst = 0.0
+    for step in range(STEPS):
+        full = stage_grads(ref, step)
+        for n, p in params.items():
+            refs[n].grad = full[n]
+            p.grad = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
+        ref_opt.step()
+        opt.step()
+        worst = max(worst, diff())
+    state = {n: opt.state[p] for n, p in params.items()}
+    return {
+        "at_start": at_start,
+        "max_abs_diff": worst,
+        # momentum and NorMuon statistics, gathered whole: a block assembled in the wrong place
+        # but sent back to the same place moves the weights by rounding only (Muon commutes with
+        # row and column permutations), the statistics of the wrong rows are stored
+        "state_max_abs_diff": max(
+            diff(lambda p, o, k=k: o.state[p][k]) for k in ("momentum_buffer", "variance_buffer")
+        ),
+        "collectives_per_step": opt.collectives / STEPS,
+        "placements": {n: [repr(pl) for pl in p.placements] for n, p in params.items()},
+        "momentum_as_param": all(
+            state[n]["momentum_buffer"].placements == p.placements for n, p in params.items()
+        ),
+        "variance": {
+            n: [str(pl) for pl in s["variance_buffer"].placements]
+            + [list(s["variance_buffer"].shape)]
+            for n, s in state.items()
+        },
+    }
+
+
+def tp_resume(folder: str, mesh) -> dict:
+    """At TP2 (the trainer's mesh): model and container state saved with DCP after one step,
+    loaded into a fresh model and container: the next step equals the uninterrupted run's bit
+    for bit, and differs without the optimiser state (so the check can fail)."""
+    pair = mesh["tp"].get_group()
+
+    def build():
+        model = laid_out(0, mesh, ("dp_shard",))
+        return model, container(model, fuse=MLP_INPUT)
+
+    def step(model, opt, i):
+        full = stage_grads(model, i)
+        for n, p in model.named_parameters():
+            p.grad = distribute_tensor(full[n], p.device_mesh, p.placements, src_data_rank=None)
+        opt.step()
+        return {n: p.to_local().clone() for n, p in model.named_parameters()}
+
+    model, opt = build()
+    step(model, opt, 0)
+    dcp.save(
+        {"model": model.state_dict(), "optimizer": opt}, checkpoint_id=folder, process_group=pair
+    )
+    expected = step(model, opt, 1)
+    got = {}
+    for load_optimizer in (True, False):
+        resumed, opt2 = build()
+        state = {"model": resumed.state_dict()}
+        if load_optimizer:
+            state["optimizer"] = opt2
+        dcp.load(state, checkpoint_id=folder, process_group=pair)
+        resumed.load_state_dict(state["model"])
+        got[load_optimizer] = step(resumed, opt2, 1)
+        if load_optimizer:
+            muon = opt2.optimizers[0]
+            kept = all(
+                muon.state[p]["momentum_buffer"].placements == p.placements
+                and isinstance(muon.state[p]["variance_buffer"], DTensor)
+                for p in resumed.parameters()
+            )
+    same = {k: all(torch.equal(expected[n], g[n]) for n in expected) for k, g in got.items()}
+    return {"bitwise": same[True], "without_state_equal": same[False], "state_kept": kept}
+
+
+def refusals(tp) -> dict[str, str | None]:
+    """Muon's one-line errors on layouts it cannot take (None: accepted)."""
+
+    def refused(t: torch.Tensor) -> str | None:
+        try:
+            Muon([nn.Parameter(t)])
+        except (NotImplementedError, RuntimeError) as e:
+            return str(e)
+        return None
+
+    local = DTensor.from_local
+    return {
+        "partial": refused(local(torch.zeros(4, 4), tp, [Partial()])),
+        "cube_by_columns": refused(
+            distribute_tensor(torch.zeros(4, 4, 2), tp, [Shard(1)], src_data_rank=None)
+        ),
+        "wrong_local_shape": refused(
+            local(torch.zeros(3, 4), tp, [Shard(0)], run_check=False, shape=(8, 4), stride=(4, 1))
+        ),
+    }
+
+
+def tp_main(out: str) -> dict:
+    result = {}
+    names = ("pp", "dp_shard", "tp")
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=names)
+    stage = mesh.get_coordinate()[0]
+    for dtype in ("float32", "bfloat16"):
+        result[f"pp2_fsdp2_tp2_{dtype}"] = tp_parity(stage, mesh, ("dp_shard",), dtype)
+    result["stage"] = stage
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    result["hsdp2x2_tp2_float32"] = tp_parity(0, mesh, ("dp_replicate", "dp_shard"), "float32")
+    mesh = init_device_mesh("cpu", (4, 1, 2), mesh_dim_names=("pairs", "dp_shard", "tp"))
+    pair = mesh.get_coordinate()[0]
+    for dtype in ("float32", "bfloat16"):
+        result[f"tp2_{dtype}"] = tp_parity(pair % 2, mesh, ("dp_shard",), dtype)
+    result["tp2_resume"] = tp_resume(os.path.join(out, f"ckpt_tp2_{pair}"), mesh)
+    plain = init_device_mesh("cpu", (4, 2), mesh_dim_names=("pairs", "tp"))
+    result["tp2_plain_float32"] = tp_parity(pair % 2, plain, (), "float32")
+    result["refusals"] = refusals(plain["tp"])
+    return result
+
+
+def main(out: str, mode: str = "fsdp") -> None:
     cpu.release_gloo_at_exit()  # no SIGABRT at exit (see release_gloo_at_exit)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    result = {
-        f"{'x'.join(map(str, mesh))}_{dtype}": parity(mesh, dtype)
-        for mesh in ((2,), (1, 2), (2, 1))
-        for dtype in ("float32", "bfloat16")
-    }
-    # one matrix: rank 1 owns nothing and sends nothing back
-    result["single_float32"] = parity((2,), "float32", params=("tall",))
-    result["dcp"] = dcp_resume(os.path.join(out, "ckpt"))
-    for dtype in ("float32", "bfloat16"):
-        result[f"fused_{dtype}"] = fused_parity(dtype)
+    if mode == "tp":
+        result = tp_main(out)
+    else:
+        result = {
+            f"{'x'.join(map(str, mesh))}_{dtype}": parity(mesh, dtype)
+            for mesh in ((2,), (1, 2), (2, 1))
+            for dtype in ("float32", "bfloat16")
+        }
+        # one matrix: rank 1 owns nothing and sends nothing back
+        result["single_float32"] = parity((2,), "float32", params=("tall",))
+        result["dcp"] = dcp_resume(os.path.join(out, "ckpt"))
+        for dtype in ("float32", "bfloat16"):
+            result[f"fused_{dtype}"] = fused_parity(dtype)
     with open(os.path.join(out, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f, indent=1)
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -1,9 +1,9 @@
-"""The paper's Muon (Polar Express + NorMuon + cautious decay) for FSDP2 and HSDP.
+"""The paper's Muon (Polar Express + NorMuon + cautious decay) for FSDP2, HSDP and TP.
 
 One step for a matrix ``W`` (``rows x cols``; a >2-D weight is viewed as ``[shape[0], -1]``) with
 gradient ``G``, as in the LR-AttnRes authors' code (``muon/muon.py``; docs/training.md):
 
-    M <- lerp(M, G, 1 - mu)                      momentum, on the local shard
+    M <- lerp(M, G, 1 - mu)                      momentum, on the local block
     U <- lerp(G, M, mu)                          Nesterov
     O <- PolarExpress(U)                         5 quintic steps on the FULL matrix
     s <- mean(O^2) per row (rows >= cols) or per column (rows < cols)
@@ -12,24 +12,39 @@ gradient ``G``, as in the LR-AttnRes authors' code (``muon/muon.py``; docs/train
     O <- O * max(1, rows / cols) ** 0.5
     W <- W - lr * wd * [O * W >= 0] * W - lr * O      cautious weight decay, then the update
 
-Distributed design (owner-compute). FSDP2 shards every weight by rows (``Shard(0)``, torch.chunk
-sizes, so the last ranks may hold fewer or zero rows); HSDP adds a replicate mesh dimension whose
-ranks already hold equal gradients. Each matrix gets one owner rank in the shard group (greedy
-balance of ``rows * cols * min(rows, cols)``, the same on every rank). Per step:
+Distributed design (owner-compute). Muon takes parameters that are DTensors sharded over any
+mesh dims (``Shard`` or, as FSDP2 lays out a tensor-parallel weight, ``_StridedShard``) and
+replicated over the others: FSDP2 shards every weight by rows (``Shard(0)``, torch.chunk sizes,
+so the last ranks may hold fewer or zero rows); HSDP adds a replicate mesh dim whose ranks already
+hold equal gradients; tensor parallel (TP) shards column-wise weights (``wqkv``, ``w1``, ``w3``)
+by rows and row-wise ones (``wo``, ``w2``) by columns, and FSDP2 then shards the rows of either
+(torchtitan 0.3.0 under FSDP2 x TP: ``(_StridedShard(0, sf=tp), Shard(0))`` and
+``(Shard(0), Shard(1))`` on the ``(dp_shard, tp)`` mesh; at TP alone the same on a
+``dp_shard`` dim of 1); a parameter TP replicates (``router.embedding_key``:
+``(Shard(0), Replicate())``) is held whole by every TP rank. The exchange runs over one process
+group per mesh: the mesh dims that shard any Muon parameter, flattened (FSDP2 x TP: the
+``dp_shard x tp`` ranks; HSDP: one such group per replica). Every rank knows which block
+(rows x columns, DTensor's chunk rules) each group rank holds. Each matrix gets one owner rank
+(greedy balance of ``rows * cols * min(rows, cols)``, the same on every rank). Per step:
 
-1. every rank updates its momentum rows locally and sends its rows of ``U`` (and its slice of
-   ``V``) to each matrix's owner: one ``all_to_all_single`` over the shard group for all matrices;
-2. each owner runs Polar Express + NorMuon on its full matrices;
-3. one ``all_to_all_single`` sends every rank its rows of the final update (and of ``V``);
-4. decay and update are applied to the local rows.
+1. every rank updates its momentum on its local block and sends its block of ``U`` (and its
+   slice of ``V``) to each matrix's owner (a block several ranks hold, replicated over a mesh dim
+   of the group, is sent by the first of them): one ``all_to_all_single`` over the group for all
+   matrices;
+2. each owner assembles its whole matrices and runs Polar Express + NorMuon on them;
+3. one ``all_to_all_single`` sends every rank its block of the final update (and its slice of
+   ``V``);
+4. decay and update are applied to the local block.
 
-Two collectives per step and shard group, whatever the number of matrices; each rank
-orthogonalises ~1/W of them and moves ~2(W-1)/W^2 of the matrix bytes (an all-gather design moves
-(W-1)/W and repeats every orthogonalisation on every rank). HSDP replicas run the same exchange
-on their own shard sub-mesh. State is DTensors laid out like the parameter (``momentum_buffer``;
-``variance_buffer`` is ``[rows, 1]`` sharded by rows or ``[1, cols]`` sharded by columns), so DCP
-checkpoints and reshards it. The exchange is fp32: the owner sees exactly the single-process
-matrix, so 2 ranks and 1 process give the same update bit for bit.
+Two collectives per step and group, whatever the number of matrices and mesh dims (FSDP2, HSDP,
+TP and any mix of them); each rank orthogonalises ~1/W of the matrices (W: ranks in the group)
+and moves ~2(W-1)/W^2 of the matrix bytes (an all-gather design moves (W-1)/W and repeats every
+orthogonalisation on every rank). State is DTensors: ``momentum_buffer`` laid out like the
+parameter; ``variance_buffer`` is ``[rows, 1]`` (per-row statistics) or ``[1, cols]`` (per
+column), sharded along its long dim by every mesh dim that shards the parameter (``Shard``, in
+mesh order) and replicated over the others, so DCP checkpoints and reshards it. The exchange is
+fp32: the owner sees exactly the single-process matrix, so any layout and one process give the
+same update bit for bit.
 
 Fused matrices (``fuse``). The paper's MLP has one input matrix ``fc1 = [W1; W3]``
 (``2 hidden x d``) that Muon orthogonalises whole; torchtitan keeps ``w1`` and ``w3`` apart, and
@@ -41,20 +56,25 @@ column) and the update scale ``max(1, rows / cols) ** 0.5`` are those of the con
 matrix. The parameters, their momentum and their state stay separate (each member keeps its
 rows of the statistics; of a wide concatenation each keeps an identical copy of the column
 statistics), so where each member is tall like the concatenation (every MLP here: hidden > d)
-the checkpoint layout is the unfused one. Under FSDP2 each member is sharded by its own rows;
-the pair has one owner, which gathers both whole, concatenates, orthogonalises and sends each
-rank its rows of each member.
+the checkpoint layout is the unfused one. Each member keeps its own layout (under TP both are
+column-parallel: sharded by rows over TP and FSDP2); the pair has one owner, which gathers both
+whole, concatenates, orthogonalises and sends each rank its block of each member.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+# FSDP2's placement for the dim it shards of a tensor-parallel weight (no public name)
+from torch.distributed.tensor.placement_types import _StridedShard
 
 # Polar Express, 5 steps (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the series
 # optimal_composition(l=1e-3, num_iters=5, safety_factor_eps=2e-2, cushion=0.02) of
@@ -109,67 +129,179 @@ def orthogonalized_update(
 
 
 def chunk_sizes(n: int, world: int) -> list[int]:
-    """Rows per rank of ``torch.chunk(n, world)`` padded to ``world`` entries (FSDP2's layout)."""
+    """Sizes of ``torch.chunk(n, world)`` padded to ``world`` entries (DTensor's ``Shard``, and
+    FSDP2's rows: the last ranks may hold fewer or none)."""
     c = -(-n // world)
     return [max(0, min(c, n - i * c)) for i in range(world)]
 
 
+def held(idx: torch.Tensor, parts: int, coord: int, split_factor: int = 1) -> torch.Tensor:
+    """The entries of ``idx`` that coordinate ``coord`` of a mesh dim of ``parts`` ranks holds:
+    ``Shard`` (``split_factor`` 1, torch.chunk) or ``_StridedShard(split_factor=sf)`` (``idx``
+    chunked into ``sf`` pieces, each piece into ``parts``; this coordinate's chunk of each)."""
+    pieces = idx.split(chunk_sizes(len(idx), split_factor))
+    return torch.cat([p.split(chunk_sizes(len(p), parts))[coord] for p in pieces])
+
+
+Index = slice | torch.Tensor
+
+
+def _as_index(idx: torch.Tensor) -> Index:
+    """Increasing indices; a slice when they are one run."""
+    start = int(idx[0]) if len(idx) else 0
+    stop = int(idx[-1]) + 1 if len(idx) else 0
+    return slice(start, stop) if stop - start == len(idx) else idx
+
+
+def _length(i: Index) -> int:
+    return i.stop - i.start if isinstance(i, slice) else len(i)
+
+
+def _shard_dim(placement) -> int | None:
+    """The tensor dim a placement shards (``Shard`` or ``_StridedShard``), else None."""
+    return placement.dim if isinstance(placement, (Shard, _StridedShard)) else None
+
+
+@dataclass
+class _Group:
+    """The ranks of one exchange: the mesh dims ``dims`` that shard any Muon parameter on the
+    mesh, flattened; ``coords``: each group rank's mesh coordinate. ``group`` None: one rank."""
+
+    dims: tuple[int, ...] = ()
+    group: dist.ProcessGroup | None = None
+    rank: int = 0
+    coords: tuple[tuple[int, ...], ...] = ((),)
+
+
+def _flatten(mesh: DeviceMesh, dims: tuple[int, ...]) -> _Group:
+    me = tuple(mesh.get_coordinate())
+    if not dims:
+        return _Group(coords=(me,))
+    if len(dims) == 1:
+        group = mesh.get_group(dims[0])
+    else:  # this rank's sub-mesh over ``dims`` (only its members take part in creating it)
+        sub = mesh.mesh[tuple(slice(None) if k in dims else c for k, c in enumerate(me))]
+        group = dist.new_group(sorted(sub.flatten().tolist()), use_local_synchronization=True)
+    where = dict(zip(mesh.mesh.flatten().tolist(), itertools.product(*map(range, mesh.shape))))
+    coords = tuple(where[g] for g in dist.get_process_group_ranks(group))
+    return _Group(dims, group, dist.get_rank(group), coords)
+
+
 @dataclass
 class _Layout:
-    """Where a parameter's rows live: ``group`` = shard process group (None: all local).
-    ``tall``: whether the matrix Muon orthogonalises (the parameter, or the fused matrix it is
-    part of) has at least as many rows as columns; None = the parameter's own shape."""
+    """Where a parameter's matrix (``rows x cols``) lives across its exchange group ``grp``:
+    ``blocks[r]`` = the (row, column) indices of the block group rank ``r`` holds; ``first[r]``
+    = whether ``r`` holds the first copy of its block (a parameter replicated over a mesh dim
+    of the group has several); ``stats[d][r]`` = the indices of ``r``'s slice of the NorMuon
+    statistics when they are per row (``d`` 0) or per column (1). ``tall``: whether the matrix
+    Muon orthogonalises (the parameter, or the fused matrix it is part of) has at least as many
+    rows as columns; None = the parameter's own shape. Defaults: one rank holding all."""
 
     rows: int
     cols: int
-    group: dist.ProcessGroup | None = None
-    world: int = 1
-    rank: int = 0
+    grp: _Group = field(default_factory=_Group)
+    blocks: tuple[tuple[Index, Index], ...] = ()
+    first: tuple[bool, ...] = (True,)
+    stats: tuple[tuple[Index, ...], ...] = ()
     tall: bool | None = None
+
+    def __post_init__(self):
+        if not self.blocks:
+            self.blocks = ((slice(0, self.rows), slice(0, self.cols)),)
+            self.stats = ((slice(0, self.rows),), (slice(0, self.cols),))
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.grp.group
+
+    @property
+    def world(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def rank(self) -> int:
+        return self.grp.rank
 
     @property
     def stat_dim(self) -> int:  # NorMuon: one statistic per row of a tall/square matrix
         tall = self.rows >= self.cols if self.tall is None else self.tall
         return 0 if tall else 1
 
-    def row_sizes(self) -> list[int]:
-        return chunk_sizes(self.rows, self.world)
-
-    def stat_sizes(self) -> list[int]:
-        return chunk_sizes(self.rows if self.stat_dim == 0 else self.cols, self.world)
-
     def stat_shape(self, n: int) -> tuple[int, int]:
         return (n, 1) if self.stat_dim == 0 else (1, n)
 
+    def shape(self, r: int) -> tuple[int, int]:
+        """Rank ``r``'s block as a matrix."""
+        rows, cols = self.blocks[r]
+        return _length(rows), _length(cols)
+
+    def block(self, r: int) -> tuple[Index, Index]:
+        """A key that reads or writes rank ``r``'s block of the whole matrix."""
+        rows, cols = self.blocks[r]
+        both = isinstance(rows, torch.Tensor) and isinstance(cols, torch.Tensor)
+        return (rows[:, None], cols) if both else (rows, cols)
+
+    def stat(self, r: int) -> tuple[Index, Index]:
+        """A key that reads or writes rank ``r``'s slice of the whole statistics."""
+        i = self.stats[self.stat_dim][r]
+        return (i, slice(None)) if self.stat_dim == 0 else (slice(None), i)
+
     def sizes(self, r: int) -> tuple[int, int]:
         """(update elements, statistic elements) that rank ``r`` holds."""
-        return self.row_sizes()[r] * self.cols, self.stat_sizes()[r]
+        return math.prod(self.shape(r)), _length(self.stats[self.stat_dim][r])
 
 
-def _layout(p: torch.Tensor) -> _Layout:
+def _layout(p: torch.Tensor, grp: _Group | None) -> _Layout:
+    """``p``'s layout over ``grp`` (its mesh's exchange group); refuses what Muon cannot take."""
     rows, cols = p.shape[0], math.prod(p.shape[1:])
     if not isinstance(p, DTensor):
         return _Layout(rows, cols)
-    shard = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
-    others = [pl for pl in p.placements if not isinstance(pl, Shard) and not pl.is_replicate()]
-    if others or len(shard) > 1 or (shard and p.placements[shard[0]].dim != 0):
-        raise NotImplementedError(
-            "Muon supports FSDP2 / HSDP row sharding (one Shard(0) mesh dim), not tensor "
-            f"parallel; got placements {p.placements}"
+    shards = []  # (mesh dim, matrix dim, split factor)
+    for k, pl in enumerate(p.placements):
+        d = _shard_dim(pl)
+        if d is None and not pl.is_replicate():
+            raise NotImplementedError(
+                f"Muon takes parameters sharded or replicated on each mesh dim, got {p.placements}"
+            )
+        if d is not None:
+            d %= p.ndim
+            if d and p.ndim > 2:
+                raise NotImplementedError(
+                    f"Muon takes a >2-D weight sharded by dim 0 only, got {p.placements}"
+                )
+            sf = pl.split_factor if isinstance(pl, _StridedShard) else 1
+            shards.append((k, min(d, 1), p.device_mesh.size(k), sf))
+    blocks, first, stats = [], [], ([], [])
+    for coord in grp.coords:
+        idx, stat = (
+            [torch.arange(rows), torch.arange(cols)],
+            [torch.arange(rows), torch.arange(cols)],
         )
-    if not shard:
-        return _Layout(rows, cols)
-    mesh, i = p.device_mesh, shard[0]
-    return _Layout(rows, cols, mesh.get_group(i), mesh.size(i), mesh.get_local_rank(i))
+        for k, d, parts, sf in shards:
+            idx[d] = held(idx[d], parts, coord[k], sf)
+            stat = [held(s, parts, coord[k]) for s in stat]
+        blocks.append((_as_index(idx[0]), _as_index(idx[1])))
+        for d in (0, 1):
+            stats[d].append(_as_index(stat[d]))
+        replicated = [k for k in grp.dims if _shard_dim(p.placements[k]) is None]
+        first.append(all(coord[k] == 0 for k in replicated))
+    lay = _Layout(rows, cols, grp, tuple(blocks), tuple(first), tuple(map(tuple, stats)))
+    local, (n, m) = p.to_local(), lay.shape(grp.rank)
+    if tuple(local.shape) != ((n, m) if p.ndim == 2 else (n, *p.shape[1:])):
+        raise RuntimeError(
+            f"Muon: a local shard of shape {tuple(local.shape)} is not the {n} x {m} block that "
+            f"placements {p.placements} give a {tuple(p.shape)} parameter"
+        )
+    return lay
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _matrix(t: torch.Tensor, cols: int) -> torch.Tensor:
-    """``[rows, ...]`` -> ``[rows, cols]`` view (explicit rows: a shard may hold none)."""
-    return t.view(t.shape[0], cols)
+def _matrix(t: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """This rank's block as a ``[rows, cols]`` view (explicit sizes: a shard may hold none)."""
+    return t.view(lay.shape(lay.rank))
 
 
 @dataclass
@@ -228,7 +360,7 @@ def assign_owners(shapes: list[tuple[int, int]], world: int) -> list[int]:
 
 
 class Muon(torch.optim.Optimizer):
-    """Muon with Polar Express, NorMuon and cautious weight decay; FSDP2/HSDP aware.
+    """Muon with Polar Express, NorMuon and cautious weight decay; FSDP2 / HSDP / TP aware.
 
     Group options: ``lr``, ``weight_decay`` (multiplied by lr, cautious), ``momentum`` (set per
     step by :class:`titan_lrattnres.components.optimizers.MomentumLRSchedulers` when used),
@@ -262,11 +394,26 @@ class Muon(torch.optim.Optimizer):
             ortho_dtype=ortho_dtype,
         )
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.ndim < 2:
-                    raise ValueError(f"Muon takes >= 2-D weights, got shape {tuple(p.shape)}")
-                _layout(p)  # refuses a layout it cannot handle now, not at the first step
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:
+            if p.ndim < 2:
+                raise ValueError(f"Muon takes >= 2-D weights, got shape {tuple(p.shape)}")
+        # one exchange group per mesh, over the mesh dims that shard any parameter (created in
+        # the same order on every rank); layouts are fixed, and refused now, not at a step
+        dims: dict[DeviceMesh, set[int]] = {}
+        for p in params:
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                dims.setdefault(mesh, set()).update(
+                    k
+                    for k, pl in enumerate(p.placements)
+                    if _shard_dim(pl) is not None and mesh.size(k) > 1
+                )
+        groups = {mesh: _flatten(mesh, tuple(sorted(d))) for mesh, d in dims.items()}
+        self._layouts = {
+            id(p): _layout(p, groups[p.device_mesh] if isinstance(p, DTensor) else None)
+            for p in params
+        }
         self.fuse = tuple(tuple(suffixes) for suffixes in fuse)
         self._fused = self._fuse_units()
         self.collectives = 0
@@ -304,13 +451,11 @@ class Muon(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, lay: _Layout) -> dict:
         state = self.state[p]
         state["momentum_buffer"] = torch.zeros_like(p)
-        local = torch.zeros(
-            lay.stat_shape(lay.stat_sizes()[lay.rank]), dtype=p.dtype, device=p.device
-        )
+        local = torch.zeros(lay.stat_shape(lay.sizes(lay.rank)[1]), dtype=p.dtype, device=p.device)
         if isinstance(p, DTensor):
             shape = lay.stat_shape(lay.rows if lay.stat_dim == 0 else lay.cols)
             placements = [
-                Shard(lay.stat_dim) if isinstance(pl, Shard) else pl for pl in p.placements
+                Shard(lay.stat_dim) if _shard_dim(pl) is not None else pl for pl in p.placements
             ]
             local = DTensor.from_local(
                 local, p.device_mesh, placements, run_check=False, shape=shape, stride=(shape[1], 1)
@@ -319,25 +464,29 @@ class Muon(torch.optim.Optimizer):
         return state
 
     def _unit(self, group: dict, params: tuple[torch.Tensor, ...]) -> _Unit | None:
-        """Momentum and Nesterov on the local rows of each member; None without gradients."""
+        """Momentum and Nesterov on the local block of each member; None without gradients."""
         have = [p.grad is not None for p in params]
         if not any(have):
             return None
         if not all(have):
             raise RuntimeError("Muon: some parameters of a fused matrix have no gradient")
-        lays = [_layout(p) for p in params]
+        lays = [self._layouts[id(p)] for p in params]
         if len(params) > 1:
             if len({(lay.group, lay.world, lay.rank) for lay in lays}) > 1:
-                raise NotImplementedError("Muon: fused parameters must share one shard group")
+                raise NotImplementedError("Muon: fused parameters must share one mesh")
             tall = sum(lay.rows for lay in lays) >= lays[0].cols
             lays = [replace(lay, tall=tall) for lay in lays]
         mu = group["momentum"]
         members = []
         for p, lay in zip(params, lays):
             state = self.state[p] or self._init_state(p, lay)
-            g = _local(p.grad)
-            g = g.reshape(g.shape[0], lay.cols)
-            m = _matrix(_local(state["momentum_buffer"]), lay.cols)
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                raise RuntimeError(
+                    f"Muon: a gradient laid out as {p.grad.placements}, its parameter as "
+                    f"{p.placements}"
+                )
+            g = _local(p.grad).reshape(lay.shape(lay.rank))
+            m = _matrix(_local(state["momentum_buffer"]), lay)
             m.lerp_(g, 1 - mu)
             u = g.lerp(m, mu) if group["nesterov"] else m.clone()
             members.append(_Member(p, lay, u.float(), _local(state["variance_buffer"])))
@@ -364,7 +513,7 @@ class Muon(torch.optim.Optimizer):
             for unit, upds in zip(bucket, updates):
                 lr, wd = unit.group["lr"], unit.group["weight_decay"]
                 for member, upd in zip(unit.members, upds):
-                    w = _matrix(_local(member.param), member.lay.cols)
+                    w = _matrix(_local(member.param), member.lay)
                     upd = upd.to(w.dtype)
                     if wd:
                         w.addcmul_((upd * w >= 0).to(w.dtype), w, value=-lr * wd)
@@ -383,7 +532,7 @@ class Muon(torch.optim.Optimizer):
         return out
 
     def _exchange(self, bucket: list[_Unit]) -> list[list[torch.Tensor]]:
-        """Owner-compute over one shard group: rows to owners, full-matrix update, rows back."""
+        """Owner-compute over one group: blocks to owners, whole-matrix update, blocks back."""
         lay0 = bucket[0].members[0].lay
         group, world, me = lay0.group, lay0.world, lay0.rank
         owners = assign_owners([(unit.rows, unit.cols) for unit in bucket], world)
@@ -398,43 +547,56 @@ class Muon(torch.optim.Optimizer):
             self.collectives += 1
             return list(recv.split(recv_sizes))
 
-        def held(i: int, r: int) -> int:  # elements of unit i (U rows and statistics) on rank r
-            return sum(sum(m.lay.sizes(r)) for m in bucket[i].members)
+        def sent(i: int, r: int) -> list[_Member]:  # the members of unit i that rank r sends
+            return [m for m in bucket[i].members if m.lay.first[r]]
 
-        # 1. my rows of U and my slice of V of every member, to each matrix's owner
+        # 1. my block of U and my slice of V of every member (first copies), to each owner
         send = [[] for _ in range(world)]
-        for i, unit in enumerate(bucket):
-            for m in unit.members:
-                send[owners[i]] += [m.u, m.var.float()]
-        received = a2a(send, [sum(held(i, s) for i in mine) for s in range(world)])
-        # 2. the owner's full matrices: per member, the ranks' rows and statistics in rank order
-        full_u = {i: [[] for _ in bucket[i].members] for i in mine}
-        full_v = {i: [[] for _ in bucket[i].members] for i in mine}
+        for i in range(len(bucket)):
+            send[owners[i]] += [t for m in sent(i, me) for t in (m.u, m.var.float())]
+        received = a2a(
+            send, [sum(sum(m.lay.sizes(s)) for i in mine for m in sent(i, s)) for s in range(world)]
+        )
+        # 2. the owner's whole matrices, assembled from the ranks' blocks and slices
+        full = {}
+        for i in mine:
+            full[i] = [
+                (
+                    m.u.new_empty(m.lay.rows, m.lay.cols),
+                    m.u.new_empty(
+                        m.lay.stat_shape(m.lay.rows if m.lay.stat_dim == 0 else m.lay.cols)
+                    ),
+                )
+                for m in bucket[i].members
+            ]
         for s, buf in enumerate(received):
             off = 0
             for i in mine:
-                for k, m in enumerate(bucket[i].members):
-                    lay = m.lay
-                    nu, nv = lay.sizes(s)
-                    full_u[i][k].append(buf[off : off + nu].view(nu // lay.cols, lay.cols))
-                    full_v[i][k].append(buf[off + nu : off + nu + nv].view(lay.stat_shape(nv)))
-                    off += nu + nv
+                for m, (u, v) in zip(bucket[i].members, full[i]):
+                    if m.lay.first[s]:
+                        nu, nv = m.lay.sizes(s)
+                        u[m.lay.block(s)] = buf[off : off + nu].view(m.lay.shape(s))
+                        v[m.lay.stat(s)] = buf[off + nu : off + nu + nv].view(m.lay.stat_shape(nv))
+                        off += nu + nv
         back = [[] for _ in range(world)]
         for i in mine:
             unit = bucket[i]
-            us = [torch.cat(parts) for parts in full_u[i]]
-            dim = unit.members[0].lay.stat_dim
-            vs = [torch.cat(parts, dim=dim) for parts in full_v[i]]
-            upds, stats = unit.update(us, vs)
+            upds, stats = unit.update([u for u, _ in full[i]], [v for _, v in full[i]])
             for m, o, v in zip(unit.members, upds, stats):
-                rows = o.split(m.lay.row_sizes())
-                slices = v.split(m.lay.stat_sizes(), dim=dim)
                 for r in range(world):
-                    back[r] += [rows[r], slices[r]]
-        # 3. my rows of every update and my slice of every V
+                    back[r] += [o[m.lay.block(r)], v[m.lay.stat(r)]]
+        # 3. my block of every update and my slice of every V
         returned = a2a(
             back,
-            [sum(held(i, me) for i, o in enumerate(owners) if o == s) for s in range(world)],
+            [
+                sum(
+                    sum(m.lay.sizes(me))
+                    for i, o in enumerate(owners)
+                    if o == s
+                    for m in bucket[i].members
+                )
+                for s in range(world)
+            ],
         )
         out: list[list[torch.Tensor]] = []
         offsets = [0] * world
@@ -443,7 +605,7 @@ class Muon(torch.optim.Optimizer):
             for m in unit.members:
                 nu, nv = m.lay.sizes(me)
                 buf, off = returned[s], offsets[s]
-                upds.append(buf[off : off + nu].view(nu // m.lay.cols, m.lay.cols))
+                upds.append(buf[off : off + nu].view(m.lay.shape(me)))
                 m.var.copy_(buf[off + nu : off + nu + nv].view(m.var.shape))
                 offsets[s] = off + nu + nv
             out.append(upds)

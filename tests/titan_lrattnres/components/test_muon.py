@@ -2,7 +2,7 @@
 reference, fused ``[w1; w3]`` against Muon on the concatenated matrix, parameter routing by name,
 the momentum schedule, 2 gloo ranks (FSDP2 and HSDP meshes, fused pairs) against one process plus
 a DCP save / resume (``muon_dist_worker.py``), and trainer checkpoints of the recipe resumed at
-another data-parallel size."""
+another data-parallel size. Tensor parallel: test_muon_tp.py."""
 
 from __future__ import annotations
 
@@ -323,18 +323,6 @@ def test_paper_configs_train_the_recipe(name):
     assert isinstance(c.loss.loss_fn, ZLossCrossEntropy.Config)
     assert c.loss.loss_fn.z_loss_weight == 1e-5 and c.training.max_norm == 1.0
     assert isinstance(c.metrics, ZLossMetricsProcessor.Config)
-
-
-def test_muon_refuses_tensor_parallel_layouts():
-    from unittest import mock
-
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    p = mock.MagicMock(spec=DTensor)
-    p.shape, p.ndim = torch.Size([8, 4]), 2
-    p.placements = (Replicate(), Shard(1))  # row-parallel TP weight
-    with pytest.raises(NotImplementedError, match="not tensor parallel"):
-        Muon([torch.nn.Parameter(torch.zeros(2, 2)), p])
 
 
 # --- the recipe's trainer checkpoints resumed at another data-parallel size -----------------
