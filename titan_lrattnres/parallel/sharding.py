@@ -31,6 +31,7 @@ from torchtitan.models.common.decoder_sharding import (
 )
 from torchtitan.protocols.sharding import ShardingConfig
 
+from titan_lrattnres.components.zloss import ZLossCrossEntropy
 from titan_lrattnres.model.depth import query_names
 from titan_lrattnres.parallel import op_sharding  # noqa: F401  (DTensor rules for the lrattnres:: ops)
 
@@ -64,9 +65,14 @@ def set_sharding_config(config, *, enable_sp: bool) -> None:
         router.embedding_key.sharding_config = _router_params("weight", enable_sp=enable_sp)
 
 
+# The vocabulary-parallel losses: each TP rank holds a vocabulary shard of the logits, and the
+# loss needs the global width (``global_vocab_size``) to place it.
+VOCAB_PARALLEL_LOSSES = (CrossEntropyLoss.Config, ZLossCrossEntropy.Config)
+
+
 def _loss_configs(loss):
-    """Every ``CrossEntropyLoss.Config`` inside a (wrapped) loss config."""
-    if isinstance(loss, CrossEntropyLoss.Config):
+    """Every vocabulary-parallel loss config inside a (wrapped) loss config."""
+    if isinstance(loss, VOCAB_PARALLEL_LOSSES):
         yield loss
     if dataclasses.is_dataclass(loss):
         for f in dataclasses.fields(loss):
@@ -76,8 +82,9 @@ def _loss_configs(loss):
 def set_tensor_parallel(config, trainer_config, tp: int) -> None:
     """Checks for a TP degree ``tp`` > 1, and the loss's vocabulary = the head's (padded) rows.
 
-    The loss-parallel cross-entropy takes the global logit width: the padded rows (masked by
-    the head, so the loss is unchanged) count."""
+    The vocabulary-parallel losses (torchtitan's loss-parallel cross-entropy, the z-loss) take
+    the global logit width: the padded rows (masked by the head, so the loss is unchanged)
+    count. Any other loss is refused."""
     attn = config.first_attention
     rows = config.lm_head.out_features
     checks = {
@@ -100,6 +107,6 @@ def set_tensor_parallel(config, trainer_config, tp: int) -> None:
         raise NotImplementedError(
             f"tensor parallel needs a vocabulary-parallel loss (each rank holds a vocabulary "
             f"shard of the logits); {type(inner).__qualname__.removesuffix('.Config')} is not "
-            "one: use CrossEntropyLoss (torchtitan's loss-parallel cross-entropy), or set "
-            "parallelism.tensor_parallel_degree=1"
+            "one: use CrossEntropyLoss (torchtitan's loss-parallel cross-entropy) or "
+            "ZLossCrossEntropy, or set parallelism.tensor_parallel_degree=1"
         )
