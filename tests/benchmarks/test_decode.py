@@ -1,5 +1,6 @@
 """The decode benchmark on the debug flavor: every figure present, the baseline's own ratios 1,
-the cache counted as the model's attention sublayers hold it, depth state per step only."""
+the cache counted as the model's attention sublayers hold it, depth state per step only; the
+compiled mode beside the eager one."""
 
 from __future__ import annotations
 
@@ -12,10 +13,10 @@ from benchmarks import decode
 def test_decode_benchmark_figures():
     res = decode.measure(
         "debug", variants=("baseline", "sliced2_r16", "projected2_r16"), prompt=16, new=3,
-        batches=(1, 2), rounds=1, progress=lambda _: None,
+        batches=(1, 2), rounds=1, modes=("eager",), progress=lambda _: None,
     )  # fmt: skip
-    assert sorted(res) == [1, 2]
-    for b, rows in res.items():
+    assert list(res) == ["eager"] and sorted(res["eager"]) == [1, 2]
+    for b, rows in res["eager"].items():
         base = rows["baseline"]
         assert base["prefill_ratio"] == 1 and base["decode_ratio"] == 1
         # debug: 2 attention sublayers x (k, v) x [B, 16 + 3, 4 heads, 16] fp32
@@ -32,6 +33,23 @@ def test_decode_benchmark_figures():
         assert rows["sliced2_r16"]["decode_depth_state_kib"] == pytest.approx(ratio / 16)
 
 
+@pytest.mark.slow
+def test_compiled_mode_beside_eager():
+    res = decode.measure(
+        "debug", variants=("baseline", "sliced2_r16"), prompt=8, new=2, batches=(1,), rounds=1,
+        progress=lambda _: None,
+    )  # fmt: skip
+    assert list(res) == ["compiled", "eager"]
+    for mode, by_batch in res.items():
+        rows = by_batch[1]
+        assert rows["baseline"]["decode_ratio"] == 1 and rows["sliced2_r16"]["decode_ratio"] > 0
+        assert all(r["warmup_s"] > 0 for r in rows.values())
+        # a compiled graph has no Python depth state to count; the eager path counts it
+        counted = rows["sliced2_r16"]["decode_depth_state_kib"]
+        assert (counted is None) == (mode == "compiled")
+    assert "compiled" in decode.table(res) and "eager" in decode.table(res)
+
+
 def test_depth_state_counts_shared_storage_once():
     x = torch.zeros(4, 8)
     assert decode._bytes([x, x[1], x.unbind(0)[2], None]) == 4 * 8 * 4
@@ -43,3 +61,5 @@ def test_refusals():
     with pytest.raises(ValueError, match="max_seq_len 512"):
         decode.measure("debug", variants=("baseline",), prompt=510, new=3, rounds=1)
     assert decode.main(["--variants", "baseline,nonsense"]) == 2
+    with pytest.raises(ValueError, match="modes must be a non-empty subset"):
+        decode.measure("debug", variants=("baseline",), modes=("jit",), rounds=1)

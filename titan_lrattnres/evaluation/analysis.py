@@ -271,17 +271,24 @@ def pick_tokens(ns, vocab: int) -> tuple[str, torch.Tensor | None]:
 
 
 @torch.no_grad()
-def generated_batches(model, batches, prompt_len: int, temperature: float, seed: int):
+def generated_batches(
+    model, batches, prompt_len: int, temperature: float, seed: int, compile: bool = False
+):
     """Each batch's rows cut to ``prompt_len`` tokens and continued by ``model`` to their length
-    (``titan_lrattnres.evaluation.generate.generate``, KV cache, seeded sampling)."""
-    from titan_lrattnres.evaluation.generate import generate
+    (``titan_lrattnres.evaluation.generate.generate``, KV cache, seeded sampling; ``compile``:
+    its compiled prefill and decode steps, compiled once for every batch)."""
+    from titan_lrattnres.evaluation.generate import CompiledForward, generate
 
+    compiled = CompiledForward(model) if compile else False
     out = []
     for i, b in enumerate(batches):
         if not 1 <= prompt_len < b.shape[1]:
             raise ValueError(f"--prompt-len must be in [1, {b.shape[1] - 1}], got {prompt_len}")
         n = b.shape[1] - prompt_len
-        out.append(generate(model, b[:, :prompt_len], n, temperature=temperature, seed=seed + i))
+        prompt = b[:, :prompt_len]
+        out.append(
+            generate(model, prompt, n, temperature=temperature, seed=seed + i, compiled=compiled)
+        )
     return out
 
 
@@ -310,6 +317,9 @@ def main(argv=None) -> int:
     p.add_argument("--generated", action="store_true", help="analyse the model's own continuations")
     p.add_argument("--prompt-len", type=int, default=16, help="--generated: prompt tokens")
     p.add_argument("--temperature", type=float, default=1.0, help="--generated: sampling")
+    p.add_argument(
+        "--compile", action="store_true", help="--generated: compiled prefill and decode steps"
+    )
     ns = p.parse_args(argv)
     model, args, _ = load_from_cli(ns)
     out = Path(ns.out)
@@ -329,7 +339,9 @@ def main(argv=None) -> int:
     prompted = None
     if ns.generated:
         prompted = analyse(model, batches)[1]
-        batches = generated_batches(model, batches, ns.prompt_len, ns.temperature, ns.seed)
+        batches = generated_batches(
+            model, batches, ns.prompt_len, ns.temperature, ns.seed, compile=ns.compile
+        )
         data = (
             f"the model's own samples (temperature {ns.temperature}, {ns.prompt_len}-token "
             f"prompts from {data})"

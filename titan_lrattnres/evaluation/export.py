@@ -34,7 +34,6 @@ Writes into ``DIR``:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import subprocess
 from pathlib import Path
@@ -46,6 +45,7 @@ from titan_lrattnres.evaluation.generate import max_seq_len
 from titan_lrattnres.evaluation.inference import (
     add_checkpoint_args,
     default_tokenizer,
+    depth_backend,
     find_tokenizer,
     load_from_cli,
     save_safetensors,
@@ -76,18 +76,6 @@ def custom_op_nodes(program) -> list[str]:
         for n in program.graph.nodes
         if n.op == "call_function" and str(n.target).startswith("lrattnres.")
     ]
-
-
-@contextlib.contextmanager
-def depth_backend(model, backend: str):
-    """Run ``model``'s depth reads with ``backend`` inside the block (same weights: the backend
-    is how the router computes a read, not what it holds); restored on exit."""
-    router = model.router
-    old, router.backend = router.backend, backend
-    try:
-        yield model
-    finally:
-        router.backend = old
 
 
 def export_python_free(model, *, dynamic: bool = True):

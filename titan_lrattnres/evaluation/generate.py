@@ -22,31 +22,63 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+STATIC_ROWS = 256  # a compiled decode's cache length is a multiple of this (or max_seq_len)
+
 
 class KVCache:
-    """Keys / values after RoPE of every attention sublayer: ``[B, max_len, n_kv_heads, hd]``."""
+    """Keys / values after RoPE of every attention sublayer: ``[B, max_len, n_kv_heads, hd]``.
 
-    def __init__(self, model, batch: int, max_len: int, dtype=None, device=None):
+    ``static=False`` (eager decoding): attention reads the filled rows ``[:length]``.
+    ``static=True`` (the compiled path): the write position is a tensor (``pos``) and attention
+    reads every row under a mask of the filled ones, so every call of a given token count has
+    the same shapes and one compiled graph serves the whole generation."""
+
+    def __init__(self, model, batch: int, max_len: int, dtype=None, device=None, static=False):
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.length = 0
         self.max_len = max_len
+        self.static = static
         p = next(model.parameters())
+        device = device or p.device
+        self.pos = torch.zeros((), dtype=torch.long, device=device)  # == length, as a tensor
         for j, layer in enumerate(model.layers.values(), start=1):
             if layer.attention is not None:
                 a = layer.attention
                 shape = (batch, max_len, a.n_kv_heads, a.head_dim)
-                self.k[j] = torch.zeros(shape, dtype=dtype or p.dtype, device=device or p.device)
+                self.k[j] = torch.zeros(shape, dtype=dtype or p.dtype, device=device)
                 self.v[j] = torch.zeros_like(self.k[j])
 
-    def append(self, j: int, k: torch.Tensor, v: torch.Tensor):
-        """Write the new tokens' ``k, v [B, T, n_kv, hd]``; return all keys / values so far."""
-        start, end = self.length, self.length + k.shape[1]
+    def positions(self, t: int) -> torch.Tensor:
+        """Positions ``[1, t]`` of the next ``t`` tokens."""
+        start = self.pos if self.static else self.length
+        return (start + torch.arange(t, device=self.pos.device))[None]
+
+    def advance(self, t: int) -> None:
+        end = self.length + t
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} > max_len {self.max_len}")
+        self.length = end
+        self.pos.fill_(end)
+
+    def append(self, j: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Write the new tokens' ``k, v [B, T, n_kv, hd]`` at ``positions [1, T]``; return
+        ``(keys, values, mask)`` to attend to (mask None: causal within the new tokens)."""
+        t = k.shape[1]
+        if self.static:
+            self.k[j].index_copy_(1, positions[0], k)
+            self.v[j].index_copy_(1, positions[0], v)
+            rows = torch.arange(self.max_len, device=k.device)
+            return self.k[j], self.v[j], rows[None, :] <= positions[0][:, None]
+        start, end = self.length, self.length + t
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} > max_len {self.max_len}")
         self.k[j][:, start:end] = k
         self.v[j][:, start:end] = v
-        return self.k[j][:, :end], self.v[j][:, :end]
+        mask = None
+        if 1 < t < end:  # a chunk after a prefix: causal within the chunk, the prefix visible
+            mask = torch.ones(t, end, dtype=torch.bool, device=k.device).tril(end - t)
+        return self.k[j][:, :end], self.v[j][:, :end], mask
 
 
 def max_seq_len(model) -> int:
@@ -60,17 +92,14 @@ def _attention_cached(attn, x, cache: KVCache, j: int, positions: torch.Tensor):
     if attn.q_norm is not None:
         xq, xk = attn.q_norm(xq), attn.k_norm(xk)
     xq, xk = attn.rope(xq, xk, positions)
-    k, v = cache.append(j, xk, xv)
+    k, v, mask = cache.append(j, xk, xv, positions)
     t, s = xq.shape[1], k.shape[1]
-    mask = None
-    if 1 < t < s:  # a chunk after a prefix: causal within the chunk, the prefix fully visible
-        mask = torch.ones(t, s, dtype=torch.bool, device=x.device).tril(s - t)
     out = F.scaled_dot_product_attention(
         xq.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         attn_mask=mask,
-        is_causal=(t == s and t > 1),
+        is_causal=(mask is None and t == s and t > 1),
         scale=attn.scaling,
         enable_gqa=attn.enable_gqa,
     )
@@ -87,18 +116,59 @@ def _sublayer_cached(layer, h, cache: KVCache, j: int, positions: torch.Tensor):
     return layer.emit(y)
 
 
-@torch.no_grad()
-def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Logits ``[B, T, V]`` of ``tokens [B, T]`` at positions ``cache.length ..``; the cache
-    grows by T. The model's own depth loop (``run_depth``) with cached attention sublayers."""
-    t = tokens.shape[1]
-    positions = torch.arange(cache.length, cache.length + t, device=tokens.device)[None]
+def _forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    positions = cache.positions(tokens.shape[1])
     h = model.run_depth(
         model.tok_embeddings(tokens),
         lambda j, layer, x: _sublayer_cached(layer, x, cache, j, positions),
     )
-    cache.length += t
     return model.lm_head(model.norm(h))
+
+
+@torch.no_grad()
+def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of ``tokens [B, T]`` at positions ``cache.length ..``; the cache
+    grows by T. The model's own depth loop (``run_depth``) with cached attention sublayers."""
+    logits = _forward_cached(model, tokens, cache)
+    cache.advance(tokens.shape[1])
+    return logits
+
+
+def _compiled_decode(model, tokens, cache):  # its own code object: its own compiled graphs
+    return _forward_cached(model, tokens, cache)
+
+
+class CompiledForward:
+    """``forward_cached`` compiled: the one-token step as one static-shape graph (``dynamic=
+    False``; on CUDA captured in a CUDA graph, ``mode="reduce-overhead"``) and the prefill as one
+    graph dynamic in batch and length. Inside both, the depth reads run as the ``reference``
+    backend's aten ops, which Inductor fuses with the code around them (no op call per read
+    site). Needs a ``KVCache(..., static=True)``. Same numbers as ``forward_cached`` up to the
+    order of floating-point reductions (tested: greedy tokens identical)."""
+
+    def __init__(self, model, *, cuda_graphs: bool | None = None):
+        self.model = model
+        device = next(model.parameters()).device
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda"
+        mode = "reduce-overhead" if cuda_graphs else None
+        self.decode = torch.compile(_compiled_decode, fullgraph=True, dynamic=False, mode=mode)
+        self.prefill = torch.compile(_forward_cached, fullgraph=True, dynamic=True)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        from titan_lrattnres.evaluation.inference import depth_backend
+
+        if not cache.static:
+            raise ValueError("CompiledForward needs a KVCache(..., static=True)")
+        t = tokens.shape[1]
+        if cache.length + t > cache.max_len:
+            raise ValueError(f"KV cache full: {cache.length + t} > max_len {cache.max_len}")
+        fn = self.decode if t == 1 else self.prefill
+        with depth_backend(self.model, "reference"):
+            logits = fn(self.model, tokens, cache)
+        cache.advance(t)
+        return logits
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None):
@@ -123,11 +193,14 @@ def generate(
     seed: int = 0,
     use_cache: bool = True,
     eos_id: int | None = None,
+    compiled: CompiledForward | bool = False,
 ) -> torch.Tensor:
     """``prompt [B, T0]`` followed by up to ``max_new_tokens`` generated ids: ``[B, T0 + n]``.
 
     ``use_cache=False`` re-runs the full forward on the whole sequence at every step (the
-    reference the cached path is tested against). Stops early when every row emitted ``eos_id``.
+    reference the cached path is tested against). ``compiled``: a :class:`CompiledForward` of
+    ``model`` (or True: a new one; compiling takes seconds to minutes, so keep one for several
+    calls) runs prefill and decode steps. Stops early when every row emitted ``eos_id``.
     """
     model.eval()
     if prompt.dim() == 1:
@@ -139,11 +212,21 @@ def generate(
         )
     g = torch.Generator(device=prompt.device).manual_seed(seed)
     seq = prompt
-    cache = KVCache(model, prompt.shape[0], total) if use_cache else None
+    if compiled is True:
+        compiled = CompiledForward(model)
+    if compiled and (not use_cache or compiled.model is not model):
+        raise ValueError("compiled decoding needs use_cache=True and a CompiledForward of model")
+    step = compiled or (lambda tokens, cache: forward_cached(model, tokens, cache))
+    cache = None
+    if use_cache and compiled:  # lengths rounded up: similar lengths share one decode graph
+        size = min(-(-total // STATIC_ROWS) * STATIC_ROWS, max_seq_len(model))
+        cache = KVCache(model, prompt.shape[0], size, static=True)
+    elif use_cache:
+        cache = KVCache(model, prompt.shape[0], total)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     new = prompt
     for _ in range(max_new_tokens):
-        logits = forward_cached(model, new, cache) if use_cache else model(seq)
+        logits = step(new, cache) if use_cache else model(seq)
         nxt = sample_next(logits[:, -1], temperature, top_k, g)
         seq = torch.cat([seq, nxt], dim=1)
         new = nxt
@@ -184,6 +267,11 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="full forward per step (slow)")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compiled prefill and decode steps (torch.compile; first call compiles)",
+    )
     ns = p.parse_args(argv)
     model, _, path = load_from_cli(ns)
     tok = None
@@ -212,6 +300,7 @@ def main(argv=None) -> int:
         seed=ns.seed,
         use_cache=not ns.no_cache,
         eos_id=eos,
+        compiled=ns.compile,
     )
     new_ids = out[0, len(ids) :].tolist()
     if tok is not None:

@@ -20,6 +20,7 @@ vocab_size``; ``depth_backend`` / ``attn_backend`` may be overridden at load tim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import warnings
@@ -86,6 +87,18 @@ def build_model(
     model.to(device)
     model.init_states(buffer_device=torch.device(device))
     return model.eval()
+
+
+@contextlib.contextmanager
+def depth_backend(model, backend: str):
+    """Run ``model``'s depth reads with ``backend`` inside the block (same weights: the backend
+    is how the router computes a read, not what it holds); restored on exit."""
+    router = model.router
+    old, router.backend = router.backend, backend
+    try:
+        yield model
+    finally:
+        router.backend = old
 
 
 # -- safetensors export --------------------------------------------------------------------------

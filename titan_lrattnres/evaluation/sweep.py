@@ -313,7 +313,10 @@ def attach_extras(rows: list[dict], decode: dict | None, longctx: dict | None) -
     """Decode latency and long-input columns (see the module docstring), matched by model."""
     if decode:
         by_key = {}
-        for batch, table in decode["result"].items():
+        result = decode["result"]
+        # benchmarks.decode: {mode: {batch: ...}}; the compiled path's ratios when measured
+        result = result.get("compiled") or result.get("eager") or result
+        for batch, table in result.items():
             for r in table.values():
                 v, blocks, rank = r["variant"]
                 by_key.setdefault(model_key(v, blocks, rank), {})[str(batch)] = r["decode_ratio"]

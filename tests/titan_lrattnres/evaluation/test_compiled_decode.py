@@ -1,0 +1,73 @@
+"""The compiled decode path (``generate.CompiledForward``): the same logits and greedy tokens as
+the eager cached path and the uncached forward, one graph for every decode step, clear errors."""
+
+import pytest
+import torch
+
+from tests.titan_lrattnres._tiny import trained
+from titan_lrattnres.evaluation import generate as gen
+
+CONFIGS = [
+    pytest.param("baseline", None, id="baseline"),
+    pytest.param("projected", 2, id="projected-block2"),
+    pytest.param("sliced", None, id="sliced-full"),
+    pytest.param("attnres", 3, id="attnres-block3"),
+]
+
+
+@pytest.mark.parametrize("variant,blocks", CONFIGS)
+def test_static_cache_equals_the_growing_cache(variant, blocks):
+    """What the compiled graphs run, eager: writes at a tensor position, attention over every
+    row under the mask of the filled ones; same logits as the cache that grows."""
+    model, _ = trained(variant, blocks, depth_backend="auto")
+    seq = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    eager, static = gen.KVCache(model, 2, 12), gen.KVCache(model, 2, 20, static=True)
+    for a, b in ((0, 5), (5, 8), (8, 9), (9, 10)):
+        want = gen.forward_cached(model, seq[:, a:b], eager)
+        torch.testing.assert_close(
+            gen.forward_cached(model, seq[:, a:b], static), want, rtol=1e-5, atol=1e-5
+        )
+    assert static.length == 10 and int(static.pos) == 10
+
+
+@pytest.mark.slow
+def test_compiled_decode_equals_eager_and_uncached():
+    """Compiled (a few minutes on 2 cores, so one variant: projected keys with blocks, every
+    read and key path of the reference backend the graphs are traced from)."""
+    model, _ = trained("projected", 2, depth_backend="auto")
+    compiled = gen.CompiledForward(model)
+    prompt = torch.randint(0, 256, (2, 5), generator=torch.Generator().manual_seed(1))
+    # logits: prefill, a chunk after a prefix, single tokens, against the eager cache
+    seq = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(2))
+    # generate's own cache size below: one decode graph for the whole test
+    eager = gen.KVCache(model, 2, 16)
+    static = gen.KVCache(model, 2, gen.STATIC_ROWS, static=True)
+    for a, b in ((0, 5), (5, 8), (8, 9), (9, 10), (10, 11)):
+        want = gen.forward_cached(model, seq[:, a:b], eager)
+        got = compiled(seq[:, a:b], static)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert static.length == eager.length == 11 and int(static.pos) == 11
+    assert model.router.backend == "auto"  # the reads ran as the reference only inside
+    # greedy tokens: compiled == uncached forward; every later step reuses the one decode graph
+    first = gen.generate(model, prompt, 2, compiled=compiled)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        out = gen.generate(model, prompt, 10, compiled=compiled)
+    assert torch.equal(out[:, :7], first)
+    assert torch.equal(out, gen.generate(model, prompt, 10, use_cache=False))
+
+
+def test_compiled_decode_refuses_what_it_cannot_run():
+    model, _ = trained("sliced", 2, steps=0)
+    other, _ = trained("sliced", 2, steps=0)
+    compiled = gen.CompiledForward(model)
+    tokens = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="static=True"):
+        compiled(tokens, gen.KVCache(model, 1, 4))
+    full = gen.KVCache(model, 1, 4, static=True)
+    full.advance(4)
+    with pytest.raises(ValueError, match="KV cache full: 5 > max_len 4"):
+        compiled(tokens, full)
+    with pytest.raises(ValueError, match="a CompiledForward of model"):
+        gen.generate(other, tokens, 2, compiled=compiled)
+    with pytest.raises(ValueError, match="use_cache=True"):
+        gen.generate(model, tokens, 2, compiled=compiled, use_cache=False)
