@@ -12,6 +12,10 @@ to the JSON (rewritten after every section), so one failure never hides the othe
 4. ``trainer``: ``python -m titan_lrattnres.train cpu_smoke`` for 3 steps + validation.
    Sections 3 and 4 are subprocesses started first: their ~20 s of start-up overlaps sections
    1-2, which time nothing.
+   ``context_parallel``: ``benchmarks.gpu_cp``, CP=2 (torchtitan's CP, FlexAttention, NCCL)
+   against one GPU from the same weights, loss and every gradient, three cases; needs 2 GPUs
+   (on one it records "needs 2 GPUs, found 1"); its own 2 processes, started with sections 3-4
+   and waited for before anything is timed (cap 120 s: FlexAttention's compiles, not measured).
 5. ``memory``: ``torch.cuda.max_memory_allocated()`` of one real training step (forward,
    chunked loss, backward, clipping, Muon + AdamW step; ``benchmarks.memory.measure_real``) per
    variant (baseline, standard Block N=8 and Full, S-LR Block N=8 r=64, P-LR Block N=8 r=32) at
@@ -41,7 +45,8 @@ to the JSON (rewritten after every section), so one failure never hides the othe
 Targets, stated in the JSON (``targets``) against the numbers of the same run: read forward >= 90 %
 and forward + backward >= 75 % of the copy bandwidth (every op_bandwidth row); step overhead
 <= 3 % sliced Block N=8 r=64 and <= 5 % projected Block N=8 r=32 (sections 7 and 10); ours faster
-than every peer on every shape both support. Targets do not set the exit status; a section's
+than every peer on every shape both support; decode and prefill of every routed variant <= 1.05x
+the baseline's in each mode (section 8). Targets do not set the exit status; a section's
 error and a failed parity do.
 
 Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` gives Python the end of its 345 s and
@@ -97,11 +102,13 @@ from benchmarks import ops as op_bench
 
 DEADLINE_S = 330.0
 # Run in this order; "peers" gets what is left but the last section's cap.
-CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60, "memory": 60,
+CAPS = {"ops_check": 60, "grad_parity": 30, "graph_parity": 30, "trainer": 60,
+        "context_parallel": 120, "memory": 60,
         "op_bandwidth": 45, "step_ratios": 150, "decode": 150, "peers": 330,
         "step_ratios_cuda_graphs": 60}  # fmt: skip
 VARIANTS = ("baseline", "sliced8_r64", "projected8_r32")
 DECODE_VARIANTS = ("baseline", "attnres8", "sliced8_r64", "projected8_r32")
+DECODE_BOUND = 1.05
 TARGETS = {"fwd_pct_copy": 90.0, "fwd_bwd_pct_copy": 75.0,
            "sliced8_r64": 3.0, "projected8_r32": 5.0}  # fmt: skip
 
@@ -177,13 +184,24 @@ def trainer_finish(res, started, timeout):
 
 def graph_start(tmp: Path, dry: bool) -> dict:
     """graph_parity in its own process: a failed capture cannot harm the timing sections."""
-    cmd = [sys.executable, "-m", "benchmarks.gpu_parity", str(tmp / "graph_parity.json")]
-    return start("graph_parity", cmd + (["--dry-run"] if dry else []), tmp)
+    out = tmp / "graph_parity.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_parity", str(out)]
+    return dict(start("graph_parity", cmd + (["--dry-run"] if dry else []), tmp), out=out)
 
 
-def graph_finish(res, started, timeout):
+def cp_start(tmp: Path, dry: bool) -> dict:
+    """context_parallel (``benchmarks.gpu_cp``: CP=2 against one GPU; 2 processes, 2 GPUs, or
+    it records that it needs them); the dry run: one case on the CPU."""
+    out = tmp / "context_parallel.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_cp", "--out", str(out)]
+    cmd += ["--dry-run", "--cases", "sliced_block"] if dry else []
+    return dict(start("context_parallel", cmd, tmp), out=out)
+
+
+def json_finish(res, started, timeout):
+    """A subprocess section that writes its own JSON (``started["out"]``): merged into ``res``."""
     tail = finish(res, started, timeout)
-    out = Path(started["cmd"][3])
+    out = started["out"]
     if out.exists():
         res.update(json.loads(out.read_text()))
     elif "error" not in res:
@@ -338,6 +356,15 @@ def targets(result, judged: bool = True) -> list[dict]:
                 out.append(dict(target=f"{variant} step overhead <= {bound:.0f} % ({section})",
                                 measured=round(pct[variant], 2),
                                 ok=pct[variant] <= bound))  # fmt: skip
+    for mode, by_batch in result.get("decode", {}).get("result", {}).items():
+        for b, per_variant in by_batch.items():
+            for variant, r in per_variant.items():
+                if variant == "baseline":
+                    continue
+                worst = max(r["decode_ratio"], r["prefill_ratio"])
+                out.append(dict(target=f"{variant} decode and prefill <= {DECODE_BOUND}x the "
+                                f"baseline's ({mode}, B={b})", measured=round(worst, 3),
+                                ok=worst <= DECODE_BOUND))  # fmt: skip
     rows = [r for r in result.get("peers", {}).get("rows", []) if "ours_over_theirs_fwd" in r]
     for row in rows:
         worst = max(row["ours_over_theirs_fwd"], row["ours_over_theirs_fwd_bwd"])
@@ -398,6 +425,8 @@ def main(argv=None):
         bg["trainer"] = trainer_start(tmp)
     if "graph_parity" in wanted:
         bg["graph_parity"] = graph_start(tmp, dry)
+    if "context_parallel" in wanted:
+        bg["context_parallel"] = cp_start(tmp, dry)
     if "memory" in wanted:
         bg["memory"] = memory_start(tmp, dry)
 
@@ -410,7 +439,10 @@ def main(argv=None):
     sections = {
         "ops_check": lambda res: res.update(gpu_parity.check_ops(device, dry)),
         "grad_parity": lambda res: res.update(gpu_parity.grad_parity(device, dry)),
-        "graph_parity": lambda res: graph_finish(res, bg["graph_parity"], wait_for("graph_parity")),
+        "graph_parity": lambda res: json_finish(res, bg["graph_parity"], wait_for("graph_parity")),
+        "context_parallel": lambda res: json_finish(
+            res, bg["context_parallel"], wait_for("context_parallel")
+        ),
         "trainer": lambda res: trainer_finish(res, bg["trainer"], wait_for("trainer")),
         "memory": lambda res: memory_section(res, bg["memory"], device, wait_for("memory")),
         "op_bandwidth": lambda res: op_bandwidth(res, device, dry),
@@ -431,7 +463,7 @@ def main(argv=None):
     report(result, wanted)
 
     failed = [n for n in wanted if "error" in result[n]]
-    failed += [n for n in ("ops_check", "grad_parity", "graph_parity")
+    failed += [n for n in ("ops_check", "grad_parity", "graph_parity", "context_parallel")
                if n in wanted and result[n].get("all_ok") is False]  # fmt: skip
     print(f"[gpu_check] wrote {path}; {result['total_seconds']:.0f} s")
     print(f"[gpu_check] {'OK' if not failed else 'FAILED: ' + ', '.join(dict.fromkeys(failed))}")

@@ -17,8 +17,9 @@ from titan_lrattnres.components import data
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = ROOT / "benchmarks" / "torch_compat"
-SECTIONS = ["ops_check", "grad_parity", "graph_parity", "trainer", "memory", "op_bandwidth",
-            "step_ratios", "decode", "step_ratios_cuda_graphs", "peers"]  # fmt: skip
+SECTIONS = ["ops_check", "grad_parity", "graph_parity", "trainer", "context_parallel",
+            "memory", "op_bandwidth", "step_ratios", "decode", "step_ratios_cuda_graphs",
+            "peers"]  # fmt: skip
 
 
 def _env(**extra) -> dict:
@@ -58,6 +59,10 @@ def test_dry_run_runs_every_section(tmp_path):
     assert {"d_out1", "d_lse1", "d_partial_value", "d_partial_key", "d_query"} <= set(merge)
     assert "CUDA" in r["graph_parity"]["skipped"]
     assert "CUDA" in r["step_ratios_cuda_graphs"]["skipped"]
+    # CP=2 against one process on 2 gloo ranks, the dry run's one case
+    assert r["context_parallel"]["all_ok"] and list(r["context_parallel"]["results"]) == [
+        "sliced_block"
+    ]
     assert r["trainer"]["rc"] == 0 and r["trainer"]["summary"]["steps"] == 3
     # memory: every variant's real step beside the prediction (on the CPU the real peak is the
     # profiler's count of allocations, which the prediction matches within 1 %)

@@ -9,8 +9,8 @@ the activation layout: with sequence parallel (SP) sequence shards, without SP r
 (invariant). The depth read is per token, so it runs on either unchanged; the router's
 parameters are then declared the way torchtitan declares norm weights: ``I`` on TP without SP
 (each rank computes the same full gradient), ``R`` with SP (each rank's gradient covers its own
-tokens; the partial sums are reduced over TP). Context and pipeline parallel are refused in
-``LRAttnResModel.Config.update_from_config``.
+tokens; the partial sums are reduced over TP). Context parallel: ``parallel/context.py``;
+pipeline parallel: ``parallel/pipeline.py``.
 """
 
 from __future__ import annotations
