@@ -280,7 +280,8 @@ def build(case: Case, mesh, device: str = "cpu"):
         attn_backend="sdpa",
         **schedule,
     )
-    # as the model config does under the trainer: with AC the reads keep no phase-1 output
+    # as the model config does under the trainer: with AC every read is recomputed in the
+    # backward and the sublayer reading h keeps no copy of it
     config.router.recompute_reads = case.ac != "none"
     dev = torch.device(device)
     with torch.device(dev):

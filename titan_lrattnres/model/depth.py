@@ -18,15 +18,26 @@ Two read paths give the same numbers (tested):
 - fused (``compiled`` / ``triton`` / ``auto``): at each block end one batched phase-1 read of the
   completed sources for every site of the coming block, then per site the exact LSE merge with
   the partial (phase 2).
+
+With activation checkpointing (``recompute_reads``, set by the model config) each read is
+recomputed in the backward instead (:class:`_RecomputedRead`): it keeps only its inputs -- the
+completed sources and the partial, kept anyway as later reads' inputs --, and the sublayer that
+reads it keeps no copy of its output either (:meth:`DepthRouter.recompute_input`): that
+sublayer's backward rebuilds it from those inputs, so the read runs in effect inside the
+sublayer's checkpointed region while the compiled sublayer keeps its one fixed signature.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.graph import saved_tensors_hooks
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
@@ -57,6 +68,73 @@ class DepthState:
     partial_key: torch.Tensor | None = None
     phase1: tuple | None = None  # (per-site outs [..., d], per-site lses, first site)
     running: torch.Tensor | None = None  # baseline residual stream
+    last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
+
+
+class _RecomputedRead(torch.autograd.Function):
+    """``h = read(*inputs)`` keeping only the inputs for the backward, which runs the read again
+    with autograd on, or takes the graph :meth:`rebuild` already made for the sublayer reading h
+    (one recomputation serves both)."""
+
+    @staticmethod
+    def forward(ctx, read, *inputs):
+        ctx.read, ctx.graph = read, None
+        ctx.save_for_backward(*inputs)
+        return read(*inputs)
+
+    @staticmethod
+    def rebuild(ctx) -> torch.Tensor:
+        """The read run again on detached copies of its inputs, kept on ``ctx`` until its
+        backward; returns h."""
+        if ctx.graph is None:
+            needs = ctx.needs_input_grad[1:]
+            leaves = [x.detach().requires_grad_(n) for x, n in zip(ctx.saved_tensors, needs)]
+            with torch.enable_grad():
+                ctx.graph = (leaves, ctx.read(*leaves))
+        return ctx.graph[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        h = _RecomputedRead.rebuild(ctx)
+        leaves, ctx.graph = ctx.graph[0], None
+        needs = ctx.needs_input_grad[1:]
+        grads = iter(torch.autograd.grad(h, [x for x, n in zip(leaves, needs) if n], grad))
+        return None, *(next(grads) if n else None for n in needs)
+
+
+class _Rebuild:
+    """What a sublayer saves in place of its input h: the node of the read that made it."""
+
+    __slots__ = ("node",)
+
+    def __init__(self, node):
+        self.node = node
+
+
+def _pack_unless(h: torch.Tensor):
+    """saved-tensor hooks that save h as a :class:`_Rebuild` and every other tensor as it is.
+    They hold no reference to h (the graph keeps the hooks of every tensor saved under them)."""
+    ref, node = weakref.ref(h), h.grad_fn
+
+    def pack(t):
+        return _Rebuild(node) if t is ref() else t
+
+    def unpack(saved):
+        if isinstance(saved, _Rebuild):
+            return _RecomputedRead.rebuild(saved.node).detach()
+        return saved
+
+    return pack, unpack
+
+
+# A selective-AC region inside saved-tensor hooks warns that torch will route the tensors it
+# caches through the hooks in a later release; the hooks above return every tensor but h as it
+# is (and SAC caches op outputs, never its region's input h), so both behaviours are the same.
+warnings.filterwarnings(
+    "ignore",
+    message="A saved_tensors_hooks context .* selective activation",
+    category=FutureWarning,
+)
 
 
 class DepthRouter(Module):
@@ -73,8 +151,9 @@ class DepthRouter(Module):
         eps: float | None = None  # key RMSNorm eps; None = custom_ops.reference.DEFAULT_EPS
         backend: str = "auto"  # one of custom_ops.BACKENDS (passed to its ops as it is)
         embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
-        # recompute each site's phase-1 read in the backward instead of keeping it (fp32 [T, d]
-        # per site); the model config sets it when activation checkpointing is on
+        # recompute each read in the backward instead of keeping what it saves (phase 1's LSEs,
+        # the merge's fp32 [T, d] and h) and, in the sublayer reading it, h; the model config
+        # sets it when activation checkpointing is on
         recompute_reads: bool = False
 
     def __init__(self, config: Config):
@@ -115,6 +194,15 @@ class DepthRouter(Module):
             self._phase1(state, 0)
         return state
 
+    def recompute_input(self, state: DepthState):
+        """The context the sublayer reading the last h runs in: with ``recompute_reads`` a save
+        of h (its checkpoint's input, or its first op's) keeps the read's node instead, and the
+        sublayer's backward rebuilds h from the read's inputs. Else nothing."""
+        h = state.last_read
+        if h is None or h.grad_fn is None:
+            return contextlib.nullcontext()
+        return saved_tensors_hooks(*_pack_unless(h))
+
     def step(self, state: DepthState, j: int, out) -> torch.Tensor:
         """Sublayer j (1-based) wrote ``out``; return ``h_j``, the read of site j."""
         if self.variant == "baseline":
@@ -128,8 +216,10 @@ class DepthRouter(Module):
             state.values.append(state.partial)
             state.keys.append(state.partial_key)
             state.partial, state.partial_key = None, None
+        if self.recompute_reads:
+            return self._recomputed_read(state, j)
         if self.backend == "reference":
-            return self._read_one_pass(state, j)
+            return self._read_one_pass(*self.sources(state), self.query(j))
         return self._read_two_phase(state, j)
 
     def query(self, t: int) -> torch.Tensor:
@@ -150,21 +240,18 @@ class DepthRouter(Module):
         return values, keys
 
     # -- the two read paths -----------------------------------------------------------------
-    def _read_one_pass(self, state: DepthState, t: int) -> torch.Tensor:
-        values, keys = self.sources(state)
+    def _read_one_pass(self, values, keys, query) -> torch.Tensor:
         if keys is None:
             keys = reference.sliced_keys(values, self.rank)
-        return reference.depth_read(values, keys, self.query(t), self.eps)
+        return reference.depth_read(values, keys, query, self.eps)
 
     def _phase1(self, state: DepthState, t: int, first: int | None = None) -> None:
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
-        ``first`` = t, site 0 excluded), up to this module's last site; with
-        ``recompute_reads`` for site t alone (the others read under a checkpoint)."""
+        ``first`` = t, site 0 excluded), up to this module's last site; none with
+        ``recompute_reads`` (each site reads alone)."""
         nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
-        if self.recompute_reads:
-            nxt = min(nxt, max(t, 1) + 1)
         first = max(t, 1) if first is None else first
-        if nxt <= first:
+        if nxt <= first or self.recompute_reads:
             state.phase1 = None
             return
         values = [state.embedding, *state.values]
@@ -184,11 +271,6 @@ class DepthRouter(Module):
             assert first == t
             return out[0].to(state.embedding.dtype)
         partial_key = state.partial_key if self.projected else None
-        if self.recompute_reads:
-            values = [state.embedding, *state.values]
-            keys = [state.embedding_key, *state.keys] if self.projected else None
-            return checkpoint(self._site_read, values, keys, state.partial, partial_key,
-                              self.query(t), use_reentrant=False)  # fmt: skip
         out, lse, first = state.phase1
         i = t - first
         return custom_ops.merge_partial(
@@ -196,12 +278,28 @@ class DepthRouter(Module):
             backend=self.backend,
         )  # fmt: skip
 
-    def _site_read(self, values, keys, partial, partial_key, query) -> torch.Tensor:
-        """Site t's two phases alone: what ``recompute_reads`` runs again in the backward, so
-        only its inputs (the sources and the partial, kept anyway) are saved."""
+    def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
+        """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead`; the state notes
+        it for :meth:`recompute_input`."""
+        values, keys = self.sources(state)
+        tensors = [*values, *(keys or []), self.query(t)]
+        read = functools.partial(self._site_read, len(values), state.partial is not None)
+        state.last_read = _RecomputedRead.apply(read, *tensors)
+        return state.last_read
+
+    def _site_read(self, n: int, partial: bool, *tensors: torch.Tensor) -> torch.Tensor:
+        """One site's read of its ``n`` sources (``partial``: the last is the running partial),
+        their keys when projected, then the query: the numbers of the two paths above."""
+        values, query = list(tensors[:n]), tensors[-1]
+        keys = list(tensors[n:-1]) if self.projected else None
+        if self.backend == "reference":
+            return self._read_one_pass(values, keys, query)
+        m = n - partial  # completed sources
         out, lse = custom_ops.block_read(
-            values, keys, query[None], self.eps, backend=self.backend, split=True
+            values[:m], keys and keys[:m], query[None], self.eps, backend=self.backend, split=True
         )
+        if not partial:
+            return out[0].to(values[0].dtype)
         return custom_ops.merge_partial(
-            out[0], lse[0], partial, partial_key, query, self.eps, backend=self.backend
+            out[0], lse[0], values[m], keys and keys[m], query, self.eps, backend=self.backend
         )

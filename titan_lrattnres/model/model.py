@@ -192,7 +192,9 @@ class LRAttnResModel(Decoder):
         state = self.router.start(embedding)
         h = embedding
         for j, layer in enumerate(self.layers.values(), start=1):
-            h = self.router.step(state, j, sublayer_fn(j, layer, h))
+            with self.router.recompute_input(state):  # with AC: h rebuilt, not kept
+                out = sublayer_fn(j, layer, h)
+            h = self.router.step(state, j, out)
             if on_read is not None:
                 on_read(j, state)
         return h
