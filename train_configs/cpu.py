@@ -91,11 +91,17 @@ def cpu_default():
     return _cpu_default("sliced", "cpu_default")
 
 
-def cpu_smoke_muon():
+def cpu_smoke_muon(**recipe):
+    """``recipe``: ``with_paper_recipe`` keywords replacing ``CPU_MUON``'s (e.g. the parallel
+    tests' ``z_loss_weight`` and ``fuse_mlp_input``)."""
     config = cpu_smoke()
     config.run_name, config.dump_folder = "cpu_smoke_muon", "./runs/cpu_smoke_muon"
     return with_paper_recipe(
-        config, variant="sliced", momentum_warmup_steps=4, momentum_cooldown_steps=2, **CPU_MUON
+        config,
+        variant="sliced",
+        momentum_warmup_steps=4,
+        momentum_cooldown_steps=2,
+        **{**CPU_MUON, **recipe},
     )
 
 

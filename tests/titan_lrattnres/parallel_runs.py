@@ -22,10 +22,11 @@ RUN += ["--validator.no-enable"]
 
 
 class Runs:
-    """Seed checkpoints and one-process references, made once per model and reused."""
+    """Seed checkpoints and one-process references, made once per model and reused; every run
+    launches ``worker`` (a ``parallel_worker.py`` entry point)."""
 
-    def __init__(self, env, root: Path):
-        self.env, self.root = env, root
+    def __init__(self, env, root: Path, worker: Path = WORKER):
+        self.env, self.root, self.worker = env, root, worker
         self.seeds: dict[str, Path] = {}
         self.refs: dict[str, Path] = {}
 
@@ -34,7 +35,7 @@ class Runs:
         if nproc > 1:
             cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
             cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-        cmd += [str(WORKER), model, "--dump_folder", str(out), *args]
+        cmd += [str(self.worker), model, "--dump_folder", str(out), *args]
         e = dict(self.env, TP_DUMP=str(out / "dump.pt"), TP_GRADS=str(out / "grads.pt"))
         p = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True, timeout=900)
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])

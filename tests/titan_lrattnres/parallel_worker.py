@@ -1,6 +1,7 @@
 """Launcher for the tensor- and pipeline-parallel tests: ``python parallel_worker.py MODEL
 [trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.training.train`` on ``cpu_smoke``
-with the model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
+(or another base config: ``main(argv, base=...)``, as ``parallel/recipe_worker.py`` does) with the
+model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
 ``attnres_full``, ``sliced_v1000``) and two test hooks:
 
 - the gradient-clipping norm is computed in float64: torch's fp32 ``vector_norm`` on CPU
@@ -135,12 +136,15 @@ def _gather_vocab(trainer, logits: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def register(model: str) -> str:
-    """Register config ``tp_<model>``: cpu_smoke with another model; returns its name."""
+def register(model: str, base=None) -> str:
+    """Register config ``tp_<model>``: ``base()`` (default ``cpu_smoke``) with another model;
+    returns its name."""
     import titan_lrattnres.config_registry as registry
     from titan_lrattnres import model_registry
     from train_configs import CONFIGS
     from train_configs.cpu import cpu_smoke
+
+    base = base or cpu_smoke
 
     parts = model.split("_")
     kwargs = dict(variant=parts[0], blocks=2, rank=16)
@@ -153,7 +157,7 @@ def register(model: str) -> str:
             raise ValueError(f"unknown model part {p!r}")
 
     def config():
-        c = cpu_smoke()
+        c = base()
         backend = c.model_spec.model.router.backend
         c.model_spec = model_registry("debug", depth_backend=backend, **kwargs)
         return c
@@ -165,7 +169,8 @@ def register(model: str) -> str:
     return name
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], base=None) -> int:
+    """Train ``argv`` = ``[MODEL, trainer CLI ...]`` on ``base()`` (see :func:`register`)."""
     from titan_lrattnres.training.train import main as train_main
 
     grads = os.environ.get("TP_GRADS")
@@ -197,7 +202,7 @@ def main(argv: list[str]) -> int:
             dump(self, path)
 
         tt.Trainer.train = train
-    return train_main([register(argv[0]), *argv[1:]])
+    return train_main([register(argv[0], base), *argv[1:]])
 
 
 if __name__ == "__main__":
