@@ -32,12 +32,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
@@ -112,12 +112,18 @@ class _Rebuild:
 
 
 def _pack_unless(h: torch.Tensor):
-    """saved-tensor hooks that save h as a :class:`_Rebuild` and every other tensor as it is.
-    They hold no reference to h (the graph keeps the hooks of every tensor saved under them)."""
-    ref, node = weakref.ref(h), h.grad_fn
+    """saved-tensor hooks that save h, or an alias of it (FSDP2 hands a module its inputs through
+    an autograd function, as new tensors on the same storage), as a :class:`_Rebuild` and every
+    other tensor as it is. They hold no reference to h (the graph keeps the hooks of every tensor
+    saved under them); h lives while they are on, so its storage is not reused meanwhile."""
+    storage, node = StorageWeakRef(h.untyped_storage()), h.grad_fn
+    layout = (h.shape, h.stride(), h.storage_offset(), h.dtype)
 
     def pack(t):
-        return _Rebuild(node) if t is ref() else t
+        if (t.shape, t.stride(), t.storage_offset(), t.dtype) == layout:
+            if StorageWeakRef(t.untyped_storage()) == storage:
+                return _Rebuild(node)
+        return t
 
     def unpack(saved):
         if isinstance(saved, _Rebuild):

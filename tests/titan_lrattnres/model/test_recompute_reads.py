@@ -139,6 +139,36 @@ def test_compiled_sublayers_the_same(ac):
     _assert_same(ref, loss0, model, loss1)
 
 
+def test_under_fsdp2_the_same():
+    """FSDP2 over the AC wrappers as torchtitan applies it (one gloo rank): its pre-forward hands
+    each sublayer its input through an autograd function, a new tensor on h's storage; that
+    alias is dropped too."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    tokens = _tokens()
+    ref = _model("sliced", 2)
+    loss0 = _loss(ref, tokens)
+    loss0.backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = _model("sliced", 2, "full")
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32,
+                              pp_enabled=False, cpu_offload=False,
+                              reshard_after_forward_policy="default")  # fmt: skip
+        hs = _h_storages(model)
+        loss1 = _loss(model, tokens)
+        assert [s.expired() for s in hs[:-1]] == [True] * (len(hs) - 1)
+        loss1.backward()
+        for p in model.parameters():
+            p.grad = p.grad.full_tensor()
+    finally:
+        dist.destroy_process_group()
+    _assert_same(ref, loss0, model, loss1)
+
+
 def test_reference_backend_and_no_grad_the_same():
     tokens = _tokens()
     ref = _model("projected", 2, backend="reference")
