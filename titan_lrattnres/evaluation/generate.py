@@ -139,9 +139,9 @@ def _compiled_decode(model, tokens, cache):  # its own code object: its own comp
 
 
 class CompiledForward:
-    """``forward_cached`` compiled: the one-token step as one static-shape graph (``dynamic=
-    False``; on CUDA captured in a CUDA graph, ``mode="reduce-overhead"``) and the prefill as one
-    graph dynamic in batch and length. Inside both, the depth reads run as the ``reference``
+    """``forward_cached`` compiled: the one-token step as one static-shape graph per batch size
+    (``dynamic=False``; on CUDA captured in a CUDA graph) and the prefill as one graph dynamic in
+    length (and in batch, past a batch of 1). Inside both, the depth reads run as the ``reference``
     backend's aten ops, which Inductor fuses with the code around them (no op call per read
     site). Needs a ``KVCache(..., static=True)``. Same numbers as ``forward_cached`` up to the
     order of floating-point reductions (tested: greedy tokens identical)."""
@@ -151,8 +151,12 @@ class CompiledForward:
         device = next(model.parameters()).device
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
-        mode = "reduce-overhead" if cuda_graphs else None
-        self.decode = torch.compile(_compiled_decode, fullgraph=True, dynamic=False, mode=mode)
+        # CPU: the step's generated kernels run on one thread (each is a few thousand elements:
+        # an OpenMP region per kernel costs more than it saves; the matmuls keep their threads)
+        options = {"triton.cudagraphs": True} if cuda_graphs else {"cpp.threads": 1}
+        self.decode = torch.compile(
+            _compiled_decode, fullgraph=True, dynamic=False, options=options
+        )
         self.prefill = torch.compile(_forward_cached, fullgraph=True, dynamic=True)
 
     @torch.no_grad()
