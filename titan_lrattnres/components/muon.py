@@ -70,10 +70,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
+
+# torch names without a public alias: leaving fake mode to read a mesh's ranks (the memory
+# benchmark builds the optimizer under fake tensors), and FSDP2's placement for the dim it
+# shards of a tensor-parallel weight
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-
-# FSDP2's placement for the dim it shards of a tensor-parallel weight (no public name)
 from torch.distributed.tensor.placement_types import _StridedShard
 
 # Polar Express, 5 steps (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932): the series
@@ -135,22 +138,28 @@ def chunk_sizes(n: int, world: int) -> list[int]:
     return [max(0, min(c, n - i * c)) for i in range(world)]
 
 
-def held(idx: torch.Tensor, parts: int, coord: int, split_factor: int = 1) -> torch.Tensor:
+def held(idx: list[int], parts: int, coord: int, split_factor: int = 1) -> list[int]:
     """The entries of ``idx`` that coordinate ``coord`` of a mesh dim of ``parts`` ranks holds:
     ``Shard`` (``split_factor`` 1, torch.chunk) or ``_StridedShard(split_factor=sf)`` (``idx``
-    chunked into ``sf`` pieces, each piece into ``parts``; this coordinate's chunk of each)."""
-    pieces = idx.split(chunk_sizes(len(idx), split_factor))
-    return torch.cat([p.split(chunk_sizes(len(p), parts))[coord] for p in pieces])
+    chunked into ``sf`` pieces, each piece into ``parts``; this coordinate's chunk of each).
+    Plain integers, so that layouts build under fake tensors too (no tensor is read back)."""
+    out, start = [], 0
+    for size in chunk_sizes(len(idx), split_factor):
+        piece, start = idx[start : start + size], start + size
+        sizes = chunk_sizes(len(piece), parts)
+        first = sum(sizes[:coord])
+        out.extend(piece[first : first + sizes[coord]])
+    return out
 
 
 Index = slice | torch.Tensor
 
 
-def _as_index(idx: torch.Tensor) -> Index:
-    """Increasing indices; a slice when they are one run."""
-    start = int(idx[0]) if len(idx) else 0
-    stop = int(idx[-1]) + 1 if len(idx) else 0
-    return slice(start, stop) if stop - start == len(idx) else idx
+def _as_index(idx: list[int]) -> Index:
+    """Increasing indices; a slice when they are one run, else an index tensor."""
+    start = idx[0] if idx else 0
+    stop = idx[-1] + 1 if idx else 0
+    return slice(start, stop) if stop - start == len(idx) else torch.tensor(idx, dtype=torch.long)
 
 
 def _length(i: Index) -> int:
@@ -177,12 +186,21 @@ def _flatten(mesh: DeviceMesh, dims: tuple[int, ...]) -> _Group:
     me = tuple(mesh.get_coordinate())
     if not dims:
         return _Group(coords=(me,))
+    # the mesh's ranks by coordinate, as plain lists (also when built under fake tensors)
+    with unset_fake_temporarily():
+        ranks = mesh.mesh.tolist()
+    where = {}
+    for coord in itertools.product(*map(range, mesh.shape)):
+        rank = ranks
+        for c in coord:
+            rank = rank[c]
+        where[rank] = coord
     if len(dims) == 1:
         group = mesh.get_group(dims[0])
     else:  # this rank's sub-mesh over ``dims`` (only its members take part in creating it)
-        sub = mesh.mesh[tuple(slice(None) if k in dims else c for k, c in enumerate(me))]
-        group = dist.new_group(sorted(sub.flatten().tolist()), use_local_synchronization=True)
-    where = dict(zip(mesh.mesh.flatten().tolist(), itertools.product(*map(range, mesh.shape))))
+        fixed = [k for k in range(len(me)) if k not in dims]
+        sub = sorted(r for r, c in where.items() if all(c[k] == me[k] for k in fixed))
+        group = dist.new_group(sub, use_local_synchronization=True)
     coords = tuple(where[g] for g in dist.get_process_group_ranks(group))
     return _Group(dims, group, dist.get_rank(group), coords)
 
@@ -273,10 +291,7 @@ def _layout(p: torch.Tensor, grp: _Group | None) -> _Layout:
             shards.append((k, min(d, 1), p.device_mesh.size(k), sf))
     blocks, first, stats = [], [], ([], [])
     for coord in grp.coords:
-        idx, stat = (
-            [torch.arange(rows), torch.arange(cols)],
-            [torch.arange(rows), torch.arange(cols)],
-        )
+        idx, stat = [list(range(rows)), list(range(cols))], [list(range(rows)), list(range(cols))]
         for k, d, parts, sf in shards:
             idx[d] = held(idx[d], parts, coord[k], sf)
             stat = [held(s, parts, coord[k]) for s in stat]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch._dynamo.config as _dynamo_config
 import torch.nn.functional as F
 
 STATIC_ROWS = 256  # a compiled decode's cache length is a multiple of this (or max_seq_len)
@@ -169,7 +170,8 @@ class CompiledForward:
         if cache.length + t > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length + t} > max_len {cache.max_len}")
         fn = self.decode if t == 1 else self.prefill
-        with depth_backend(self.model, "reference"):
+        # the graphs of every CompiledForward share two functions: room for many models
+        with depth_backend(self.model, "reference"), _dynamo_config.patch(recompile_limit=64):
             logits = fn(self.model, tokens, cache)
         cache.advance(t)
         return logits

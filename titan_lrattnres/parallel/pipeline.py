@@ -121,7 +121,9 @@ class LRAttnResStage(LRAttnResModel):
         else:
             h, state = self._receive(inputs)
         for key, layer in self.layers.items():
-            h = router.step(state, int(key) + 1, layer(h, attention_masks, positions))
+            with router.recompute_input(state):  # with AC: h rebuilt in the backward, not kept
+                out = layer(h, attention_masks, positions)
+            h = router.step(state, int(key) + 1, out)
         if plan.send is None:
             h = self.norm(h)
             return h if self._skip_lm_head else self.lm_head(h)
