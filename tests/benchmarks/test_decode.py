@@ -35,18 +35,17 @@ def test_decode_benchmark_figures():
 
 @pytest.mark.slow
 def test_compiled_mode_beside_eager():
+    """One model (compiling is most of the cost; CompiledForward's own tests cover the reads)."""
     res = decode.measure(
-        "debug", variants=("baseline", "sliced2_r16"), prompt=8, new=2, batches=(1,), rounds=1,
+        "debug", variants=("baseline",), prompt=8, new=2, batches=(1,), rounds=1,
         progress=lambda _: None,
     )  # fmt: skip
     assert list(res) == ["compiled", "eager"]
     for mode, by_batch in res.items():
-        rows = by_batch[1]
-        assert rows["baseline"]["decode_ratio"] == 1 and rows["sliced2_r16"]["decode_ratio"] > 0
-        assert all(r["warmup_s"] > 0 for r in rows.values())
+        row = by_batch[1]["baseline"]
+        assert row["decode_ratio"] == 1 and row["warmup_s"] > 0 and row["decode_ms_median"] > 0
         # a compiled graph has no Python depth state to count; the eager path counts it
-        counted = rows["sliced2_r16"]["decode_depth_state_kib"]
-        assert (counted is None) == (mode == "compiled")
+        assert (row["decode_depth_state_kib"] is None) == (mode == "compiled")
     assert "compiled" in decode.table(res) and "eager" in decode.table(res)
 
 

@@ -74,20 +74,23 @@ def _tangent_copies(model, tokens) -> int:
     return copies
 
 
-def test_projected_gradients_reach_compiled_backward_without_a_copy(build, monkeypatch):
+def test_projected_gradients_reach_compiled_backward_without_a_copy(build):
     """o_j is a strided slice of the [W^O; W^K] product; its gradient must enter the compiled
-    backward as it comes (the premise, asserted: with AOTAutograd's default, one copy each)."""
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    backward as it comes (the premise, asserted: with AOTAutograd's default, one copy each).
+    torch's config.patch, not monkeypatch: with monkeypatch the entry was left hidden for every
+    later test in the process ("... enable_autograd_cache does not exist")."""
+    functorch_config = torch._functorch.config
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
     counts = []
     for default in (True, False):
         model = build("debug", variant="projected", blocks=None, rank=16, depth_backend="auto")
-        if default:  # the model sets the flag on build; put AOTAutograd's default back
-            monkeypatch.setattr(torch._functorch.config, "guess_tangent_strides_as_outputs", True)
-        cfg = CompileConfig(enable=True, backend="aot_eager")
-        apply_compile(model, compile_config=cfg, parallel_dims=_Dims)
-        model(tokens).float().logsumexp(-1).mean().backward()  # compile
-        counts.append(_tangent_copies(model, tokens))
+        # the model sets the flag on build; the first pass puts AOTAutograd's default back
+        flags = {"guess_tangent_strides_as_outputs": True} if default else {}
+        with functorch_config.patch(enable_autograd_cache=False, **flags):
+            cfg = CompileConfig(enable=True, backend="aot_eager")
+            apply_compile(model, compile_config=cfg, parallel_dims=_Dims)
+            model(tokens).float().logsumexp(-1).mean().backward()  # compile
+            counts.append(_tangent_copies(model, tokens))
         torch._dynamo.reset()
     assert counts[0] == len(model.layers), counts
     assert counts[1] == 0, counts
