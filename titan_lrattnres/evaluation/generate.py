@@ -55,12 +55,15 @@ class KVCache:
         start = self.pos if self.static else self.length
         return (start + torch.arange(t, device=self.pos.device))[None]
 
+    def reserve(self, t: int) -> None:
+        """Refuse ``t`` more tokens when they do not fit (before anything is written)."""
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache full: {self.length + t} > max_len {self.max_len}")
+
     def advance(self, t: int) -> None:
-        end = self.length + t
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} > max_len {self.max_len}")
-        self.length = end
-        self.pos.fill_(end)
+        self.reserve(t)
+        self.length += t
+        self.pos.fill_(self.length)
 
     def append(self, j: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
         """Write the new tokens' ``k, v [B, T, n_kv, hd]`` at ``positions [1, T]``; return
@@ -71,9 +74,7 @@ class KVCache:
             self.v[j].index_copy_(1, positions[0], v)
             rows = torch.arange(self.max_len, device=k.device)
             return self.k[j], self.v[j], rows[None, :] <= positions[0][:, None]
-        start, end = self.length, self.length + t
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} > max_len {self.max_len}")
+        start, end = self.length, self.length + t  # room reserved by the caller
         self.k[j][:, start:end] = k
         self.v[j][:, start:end] = v
         mask = None
@@ -130,6 +131,7 @@ def _forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits ``[B, T, V]`` of ``tokens [B, T]`` at positions ``cache.length ..``; the cache
     grows by T. The model's own depth loop (``run_depth``) with cached attention sublayers."""
+    cache.reserve(tokens.shape[1])
     logits = _forward_cached(model, tokens, cache)
     cache.advance(tokens.shape[1])
     return logits
@@ -167,8 +169,7 @@ class CompiledForward:
         if not cache.static:
             raise ValueError("CompiledForward needs a KVCache(..., static=True)")
         t = tokens.shape[1]
-        if cache.length + t > cache.max_len:
-            raise ValueError(f"KV cache full: {cache.length + t} > max_len {cache.max_len}")
+        cache.reserve(t)
         fn = self.decode if t == 1 else self.prefill
         # the graphs of every CompiledForward share two functions: room for many models
         with depth_backend(self.model, "reference"), _dynamo_config.patch(recompile_limit=64):
