@@ -6,16 +6,13 @@ another data-parallel size. Tensor parallel: test_muon_tp.py."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.titan_lrattnres.muon_dist_worker import launch as launch_worker
 from tests.titan_lrattnres.trainer_runs import launch
 from titan_lrattnres import model_registry
 from titan_lrattnres.components.muon import POLAR_EXPRESS_COEFFS, Muon, assign_owners, polar_express
@@ -246,14 +243,7 @@ def test_momentum_schedule_warmup_cooldown_and_resume():
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("muon_dist")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    cmd += [str(Path(__file__).parents[1] / "muon_dist_worker.py"), str(out)]
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return launch_worker(tmp_path_factory.mktemp("muon_dist"), 2, timeout=300)
 
 
 @pytest.mark.slow

@@ -6,10 +6,6 @@ trainer's ``(dp_shard=1, tp=2)`` mesh and TP2 alone; a DCP resume at TP2."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from tests.titan_lrattnres.muon_dist_worker import launch as launch_worker
 from titan_lrattnres.components.muon import held
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,14 +32,7 @@ def test_held_follows_dtensor_splitting(n, parts, split_factor):
 
 @pytest.fixture(scope="module")
 def eight_ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("muon_tp")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=8"]
-    cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
-    cmd += [str(Path(__file__).parents[1] / "muon_dist_worker.py"), str(out), "tp"]
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(8)]
+    return launch_worker(tmp_path_factory.mktemp("muon_tp"), 8, "tp", timeout=600)
 
 
 # what torchtitan 0.3.0's trainer gives the model's weights under FSDP2 x TP (and at TP alone,
