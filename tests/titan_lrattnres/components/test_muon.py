@@ -24,7 +24,6 @@ from titan_lrattnres.components.optimizers import (
     routing,
 )
 
-ROOT = Path(__file__).resolve().parents[3]
 SHAPES = [(64, 64), (96, 40), (40, 96), (37, 24), (1000, 17)]
 # Polar Express against U p(S) V^T: fp32 matmuls vs float64 SVD; bf16 matmuls (the paper's).
 PE_TOL = {torch.float32: 2e-5, torch.bfloat16: 4e-2}

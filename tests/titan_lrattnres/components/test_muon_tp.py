@@ -6,8 +6,6 @@ trainer's ``(dp_shard=1, tp=2)`` mesh and TP2 alone; a DCP resume at TP2."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from torch.distributed.tensor import Shard
@@ -15,8 +13,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.titan_lrattnres.muon_dist_worker import launch as launch_worker
 from titan_lrattnres.components.muon import held
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 30, 37])
