@@ -14,6 +14,7 @@ for the batched phase-1 read of a block).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -67,37 +68,53 @@ def sliced_keys(values: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]
     return [v[..., v.shape[-1] - rank :] for v in values]
 
 
-def depth_logits(keys: Sequence[torch.Tensor], query: torch.Tensor, eps: float | None = None):
-    """Routing logits (fp32): ``[S, ...]`` for a query ``[r]``, ``[c, S, ...]`` for ``[c, r]``."""
-    k = torch.stack([key_rmsnorm(key, eps) for key in keys])  # [S, ..., r]
+def _logits(keys, query: torch.Tensor, eps, normalised: bool) -> list[torch.Tensor]:
+    """Per source: fp32 logits ``[...]`` for a query ``[r]``, ``[c, ...]`` for ``[c, r]``."""
     q = query.float()
-    if q.dim() == 1:
-        return (k * q).sum(-1)
-    return torch.einsum("s...r,cr->cs...", k, q)
+    out = []
+    for key in keys:
+        k = key if normalised else key_rmsnorm(key, eps)
+        out.append((k * q).sum(-1) if q.dim() == 1 else torch.einsum("...r,cr->c...", k, q))
+    return out
 
 
-def depth_read_with_lse(values, keys, query, eps=None):
-    """The read and its per-token log-sum-exp.
+def depth_logits(
+    keys: Sequence[torch.Tensor],
+    query: torch.Tensor,
+    eps: float | None = None,
+    *,
+    normalised: bool = False,
+):
+    """Routing logits (fp32): ``[S, ...]`` for a query ``[r]``, ``[c, S, ...]`` for ``[c, r]``.
+    ``normalised``: the keys are already ``key_rmsnorm``'s output (a caller that reads the same
+    sources at many sites normalises each once)."""
+    return torch.stack(_logits(keys, query, eps, normalised), dim=query.dim() - 1)
+
+
+def depth_read_with_lse(values, keys, query, eps=None, *, normalised=False):
+    """The read and its per-token log-sum-exp (``normalised``: as in :func:`depth_logits`).
 
     Returns ``(h, lse)``: h ``[..., d]`` in the values' dtype (``[c, ..., d]`` for a ``[c, r]``
     query bank), lse fp32 ``[...]`` (``[c, ...]``).
+
+    Written source by source (no ``[S, ..., d]`` stack of the values): the softmax is
+    ``w_s = exp(ℓ_s - max ℓ)``, ``α_s = w_s / Σ w``, ``lse = max ℓ + log Σ w``, and a compiler
+    fuses the whole read into passes over the sources as they lie.
     """
     _check(values, keys, query)
-    logits = depth_logits(keys, query, eps)
-    sdim = 0 if query.dim() == 1 else 1
-    lse = torch.logsumexp(logits, dim=sdim)
-    alpha = torch.softmax(logits, dim=sdim)
-    v = torch.stack([x.float() for x in values])  # [S, ..., d]
-    if query.dim() == 1:
-        h = (alpha.unsqueeze(-1) * v).sum(0)
-    else:
-        h = (alpha.unsqueeze(-1) * v.unsqueeze(0)).sum(1)
-    return h.to(values[0].dtype), lse
+    logits = _logits(keys, query, eps, normalised)
+    top = functools.reduce(torch.maximum, logits)
+    weights = [torch.exp(logit - top) for logit in logits]
+    total = functools.reduce(torch.add, weights)
+    h = functools.reduce(
+        torch.add, [(w / total).unsqueeze(-1) * v.float() for w, v in zip(weights, values)]
+    )
+    return h.to(values[0].dtype), top + torch.log(total)
 
 
-def depth_read(values, keys, query, eps=None) -> torch.Tensor:
+def depth_read(values, keys, query, eps=None, *, normalised=False) -> torch.Tensor:
     """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` (docs/method.md §2), in the values' dtype."""
-    return depth_read_with_lse(values, keys, query, eps)[0]
+    return depth_read_with_lse(values, keys, query, eps, normalised=normalised)[0]
 
 
 def merge_reads(out1, lse1, out2, lse2):

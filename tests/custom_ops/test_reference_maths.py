@@ -47,20 +47,20 @@ def _on_grid(logits: torch.Tensor) -> torch.Tensor:
 @example(read=_FIXED_READ, c=4096, bank=False)  # e^(ℓ+c) overflows without max-subtraction
 @example(read=_FIXED_READ, c=-4096, bank=True)  # ... and underflows to 0/0
 def test_constant_logit_shift_changes_nothing(read, c, bank):
-    """Adding c to every logit the reference computes (its own ``depth_logits``, patched) leaves
+    """Adding c to every logit the reference computes (its own ``_logits``, patched) leaves
     h unchanged and moves lse by c: the read's softmax and logsumexp subtract the max. A read
     that exponentiated the raw logits would give inf/inf or 0/0 at |c| = 4096."""
     values, keys, query = read
     if bank:
         query = torch.stack([query, -query, 0.5 * query])
-    plain_logits = ref.depth_logits
+    plain_logits = ref._logits
 
     def read_shifted(shift: float):
         def logits(*args, **kwargs):
-            return _on_grid(plain_logits(*args, **kwargs)) + shift
+            return [_on_grid(logit) + shift for logit in plain_logits(*args, **kwargs)]
 
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(ref, "depth_logits", logits)
+            mp.setattr(ref, "_logits", logits)
             return ref.depth_read_with_lse(values, keys, query)
 
     h, lse = read_shifted(0.0)

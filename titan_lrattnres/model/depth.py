@@ -14,7 +14,8 @@ Bookkeeping per sequence (``DepthState``): the embedding and its key, the comple
 INCLUDES the output just written. Full AttnRes is Block AttnRes with N = 2L.
 
 Two read paths give the same numbers (tested):
-- ``reference``: one pass per site over all its sources, ``custom_ops.reference.depth_read``;
+- ``reference``: one pass per site over all its sources, ``custom_ops.reference.depth_read``, each
+  completed source's key normalised once per forward (what compiled decoding traces);
 - fused (``compiled`` / ``triton`` / ``auto``): at each block end one batched phase-1 read of the
   completed sources for every site of the coming block, then per site the exact LSE merge with
   the partial (phase 2).
@@ -67,6 +68,7 @@ class DepthState:
     partial: torch.Tensor | None = None
     partial_key: torch.Tensor | None = None
     phase1: tuple | None = None  # (per-site outs [..., d], per-site lses, first site)
+    normed: list[torch.Tensor] = field(default_factory=list)  # reference: RMSNorm'd keys, in order
     running: torch.Tensor | None = None  # baseline residual stream
     last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
 
@@ -225,7 +227,7 @@ class DepthRouter(Module):
         if self.recompute_reads:
             return self._recomputed_read(state, j)
         if self.backend == "reference":
-            return self._read_one_pass(*self.sources(state), self.query(j))
+            return self._read_normalised_once(state, j)
         return self._read_two_phase(state, j)
 
     def query(self, t: int) -> torch.Tensor:
@@ -250,6 +252,20 @@ class DepthRouter(Module):
         if keys is None:
             keys = reference.sliced_keys(values, self.rank)
         return reference.depth_read(values, keys, query, self.eps)
+
+    def _read_normalised_once(self, state: DepthState, t: int) -> torch.Tensor:
+        """The one-pass read of site t with each completed source's key normalised once per
+        forward (kept in ``state.normed``; sources received by a pipeline stage on its first
+        read), only the partial's at every site: the numbers of :meth:`_read_one_pass`."""
+        values, keys = self.sources(state)
+        raw = keys if keys is not None else reference.sliced_keys(values, self.rank)
+        done = 1 + len(state.values)  # the embedding and the completed sources
+        for i in range(len(state.normed), done):
+            state.normed.append(reference.key_rmsnorm(raw[i], self.eps))
+        normed = state.normed
+        if state.partial is not None:
+            normed = [*normed, reference.key_rmsnorm(raw[done], self.eps)]
+        return reference.depth_read(values, normed, self.query(t), self.eps, normalised=True)
 
     def _phase1(self, state: DepthState, t: int, first: int | None = None) -> None:
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
