@@ -155,8 +155,11 @@ class CompiledForward:
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
         # CPU: the step's generated kernels run on one thread (each is a few thousand elements:
-        # an OpenMP region per kernel costs more than it saves; the matmuls keep their threads)
-        options = {"triton.cudagraphs": True} if cuda_graphs else {"cpp.threads": 1}
+        # an OpenMP region per kernel costs more than it saves; the matmuls keep their threads),
+        # called from a C++ wrapper (a Python one costs a few microseconds per buffer and kernel)
+        options = (
+            {"triton.cudagraphs": True} if cuda_graphs else {"cpp.threads": 1, "cpp_wrapper": True}
+        )
         self.decode = torch.compile(
             _compiled_decode, fullgraph=True, dynamic=False, options=options
         )
