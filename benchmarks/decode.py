@@ -4,15 +4,18 @@
         [--variants baseline,attnres4,sliced4_r32,projected4_r32,attnresfull] [--rounds 5]
         [--modes compiled,eager] [--device cpu] [--json PATH]
 
-Every variant is the project's model at one flavor (so one checkpoint size; weights from one seed,
-timing does not depend on their values) decoding through ``titan_lrattnres.evaluation.generate``'s
-KV cache, greedy, in each mode: ``compiled`` (``CompiledForward``: the prefill and the one-token
-step each one Inductor graph with the reads fused in; on CUDA the step in a CUDA graph) and
-``eager`` (``forward_cached``). Per batch size B a round times, for every variant in an order that
-rotates from round to round, and every mode: the prefill of a ``B x prompt`` prompt, then ``new``
-single-token steps. Ratios to the baseline of the same mode are taken within a round (median over
-rounds, with the range over rounds), so drifts of a shared machine cancel. Compilation happens in
-the warm-up and is reported apart (``compile_s``).
+Every variant is the project's model at one flavor (so one checkpoint size; timing does not depend
+on the weights' values), its weights views of one shared set (``share_weights``), decoding
+through ``titan_lrattnres.evaluation.generate``'s KV cache, greedy, in each mode: ``compiled``
+(``CompiledForward``: the prefill and the one-token step each one Inductor graph with the reads
+fused in; on CPU the step's wrapper in C++, on CUDA the step in a CUDA graph) and
+``eager`` (``forward_cached``). Per batch size B and mode a round prefills a ``B x prompt`` prompt
+for every variant, in an order that rotates from round to round, then decodes ``new`` tokens with
+the variants taking single steps in turn. A step's ratio to the baseline is taken against the
+baseline's same step (milliseconds apart, so drifts of a shared machine cancel); a round's decode
+ratio is the median over its steps. Reported: the median over rounds with its 95 % bootstrap
+interval (as ``benchmarks.overhead`` reports them) and range, for the prefill likewise.
+Compilation happens in the warm-up and is reported apart (``warmup_s``).
 
 Memory (counted, not sampled): the KV cache (the same for every variant) and the peak bytes of the
 live depth state during a forward (embedding, completed block sums and their keys, the partial,
@@ -31,7 +34,7 @@ import torch
 
 from benchmarks.meta import environment, write
 from benchmarks.ops import _sync
-from benchmarks.overhead import parse_variant
+from benchmarks.overhead import median_interval, parse_variant
 
 DEFAULT_VARIANTS = ("baseline", "attnres4", "sliced4_r32", "projected4_r32", "attnresfull")
 
@@ -55,6 +58,23 @@ def depth_state_bytes(state) -> int:
         + list(phase1[0])
         + list(phase1[1])
     )
+
+
+def share_weights(models) -> None:
+    """Make every model's weights views of one donor's (the model with the most weight elements):
+    the same values and the same memory for every variant, so no variant gains or loses from
+    where its weights were placed (one to several % a step when each model has its own copy).
+    A fused ``[W^O; W^K]`` output projection of P-LR holds the others' ``W^O`` as its first rows;
+    the routing parameters stay each model's own."""
+    donor = max(models, key=lambda m: sum(p.numel() for p in m.parameters()))
+    own = dict(donor.named_parameters())
+    for model in models:
+        if model is donor:
+            continue
+        for name, p in model.named_parameters():
+            d = None if name.startswith("router.") else own.get(name)
+            if d is not None and d.shape[1:] == p.shape[1:] and d.shape[0] >= p.shape[0]:
+                p.data = d.data[: p.shape[0]]
 
 
 class Decoder:
@@ -97,39 +117,54 @@ class Decoder:
             self.compiled = CompiledForward(self.model)
         return self.compiled
 
-    def run(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
-        """Prefill ``prompt``, then ``new`` greedy single-token steps; seconds and peaks (the
-        depth-state peaks are those of the eager path: a compiled graph has no Python state)."""
+    def start(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
+        """Prefill ``prompt`` into a fresh cache with room for ``new`` more tokens; the run's
+        record (seconds, depth-state peak; the peaks are those of the eager path: a compiled
+        graph has no Python state). :meth:`step` then decodes one greedy token of it."""
         from titan_lrattnres.evaluation.generate import KVCache
 
-        b = prompt.shape[0]
         step = self.step(mode)
         self.tracking = mode == "eager"
-        cache = KVCache(self.model, b, prompt.shape[1] + new, static=mode == "compiled")
+        b, t = prompt.shape
+        cache = KVCache(self.model, b, t + new, static=mode == "compiled")
         self.peak = 0
         _sync(device)
         t0 = time.perf_counter()
         logits = step(prompt, cache)
         _sync(device)
-        prefill, prefill_peak = time.perf_counter() - t0, self.peak
-        self.peak, steps = 0, []
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(new):
-            t0 = time.perf_counter()
-            logits = step(nxt, cache)
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            _sync(device)
-            steps.append(time.perf_counter() - t0)
-        if not torch.isfinite(logits).all():
+        run = {"prefill_s": time.perf_counter() - t0, "prefill_depth_state_bytes": self.peak}
+        self.peak = 0
+        run.update(step_s=[], fn=step, cache=cache, device=device)
+        run["next"] = logits[:, -1].argmax(-1, keepdim=True)
+        return run
+
+    def decode(self, run: dict) -> None:
+        """One greedy single-token step of ``run`` (timed, appended to its ``step_s``)."""
+        t0 = time.perf_counter()
+        logits = run["fn"](run["next"], run["cache"])
+        run["next"] = logits[:, -1].argmax(-1, keepdim=True)
+        _sync(run["device"])
+        run["step_s"].append(time.perf_counter() - t0)
+        run["logits"] = logits
+
+    def finish(self, run: dict) -> dict:
+        if not torch.isfinite(run.pop("logits")).all():
             raise RuntimeError("non-finite logits while decoding")
-        kv = _bytes(list(cache.k.values()) + list(cache.v.values()))
-        return {
-            "prefill_s": prefill,
-            "step_s": steps,
-            "prefill_depth_state_bytes": prefill_peak if self.tracking else None,
-            "decode_depth_state_bytes": self.peak if self.tracking else None,
-            "kv_cache_bytes": kv,
-        }
+        cache = run.pop("cache")
+        for k in ("fn", "next", "device"):
+            run.pop(k)
+        run["decode_depth_state_bytes"] = self.peak if self.tracking else None
+        if not self.tracking:
+            run["prefill_depth_state_bytes"] = None
+        run["kv_cache_bytes"] = _bytes(list(cache.k.values()) + list(cache.v.values()))
+        return run
+
+    def run(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
+        """Prefill ``prompt``, then ``new`` greedy single-token steps: seconds and peaks."""
+        run = self.start(prompt, new, device, mode)
+        for _ in range(new):
+            self.decode(run)
+        return self.finish(run)
 
 
 def _p90(xs: list[float]) -> float:
@@ -167,6 +202,7 @@ def measure(
     if unknown or not modes:
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {list(modes)}")
     decoders = {n: Decoder(n, flavor, device) for n in variants}
+    share_weights([d.model for d in decoders.values()])
     vocab = FLAVORS[flavor].vocab_size
     g = torch.Generator().manual_seed(1)
     out = {m: {} for m in modes}
@@ -182,17 +218,23 @@ def measure(
         runs = {(m, n): [] for m in modes for n in variants}
         order = list(variants)
         for r in range(rounds):
-            k = r % len(order)
-            for n in order[k:] + order[:k]:
-                for m in modes:
-                    runs[m, n].append(decoders[n].run(tokens, new, device, m))
             for m in modes:
+                k = r % len(order)
+                rotated = order[k:] + order[:k]
+                # every variant prefills, then decodes step by step in turn: a step's ratio
+                # compares steps taken milliseconds apart
+                live = {n: decoders[n].start(tokens, new, device, m) for n in rotated}
+                for i in range(new):
+                    for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
+                        decoders[n].decode(live[n])
+                for n in rotated:
+                    runs[m, n].append(decoders[n].finish(live[n]))
                 base = runs[m, "baseline"][-1]
                 progress(
                     f"  B={b} round {r + 1}/{rounds} {m}: "
                     + " ".join(
                         f"{n} {runs[m, n][-1]['prefill_s'] / base['prefill_s']:.3f}/"
-                        f"{_med(runs[m, n][-1]['step_s']) / _med(base['step_s']):.3f}"
+                        f"{_step_ratio(runs[m, n][-1], base):.3f}"
                         for n in variants[1:]
                     )
                     + "  (prefill/decode ratio)"
@@ -213,27 +255,26 @@ def _scaled(n: int | None, unit: int) -> float | None:
     return None if n is None else n / unit
 
 
-def _med(xs) -> float:
-    return statistics.median(xs)
+def _step_ratio(run: dict, base: dict) -> float:
+    """Median over the steps of a round of the step's time over the baseline's same step."""
+    return statistics.median(t / b for t, b in zip(run["step_s"], base["step_s"], strict=True))
 
 
 def _summarise(runs: list[dict], base: list[dict], batch: int) -> dict:
     steps = [s for r in runs for s in r["step_s"]]
     med_step = [statistics.median(r["step_s"]) for r in runs]
     pre_ratio = [r["prefill_s"] / b["prefill_s"] for r, b in zip(runs, base, strict=True)]
-    prefill = [r["prefill_s"] for r in runs]
-    step_ratio = [
-        statistics.median(r["step_s"]) / statistics.median(b["step_s"])
-        for r, b in zip(runs, base, strict=True)
-    ]
+    step_ratio = [_step_ratio(r, b) for r, b in zip(runs, base, strict=True)]
     last = runs[-1]
     return {
-        "prefill_s": statistics.median(prefill),
+        "prefill_s": statistics.median(r["prefill_s"] for r in runs),
         "prefill_ratio": statistics.median(pre_ratio),
+        "prefill_ratio_ci95": list(median_interval(pre_ratio)),
         "prefill_ratio_range": [min(pre_ratio), max(pre_ratio)],
         "decode_ms_median": 1e3 * statistics.median(steps),
         "decode_ms_p90": 1e3 * _p90(steps),
         "decode_ratio": statistics.median(step_ratio),
+        "decode_ratio_ci95": list(median_interval(step_ratio)),
         "decode_ratio_range": [min(step_ratio), max(step_ratio)],
         "decode_tokens_per_s": batch / statistics.median(med_step),
         "kv_cache_mib": last["kv_cache_bytes"] / 2**20,
@@ -245,13 +286,13 @@ def _summarise(runs: list[dict], base: list[dict], batch: int) -> dict:
 def table(result: dict) -> str:
     head = (
         f"{'mode':<9}{'B':>2} {'variant':<16}{'prefill s':>10}{'x base':>8}{'decode ms':>10}"
-        f"{'p90':>8}{'x base':>8}{'range':>14}{'tok/s':>8}{'KV MiB':>8}{'warm-up s':>10}"
+        f"{'p90':>8}{'x base':>8}{'95% CI':>14}{'tok/s':>8}{'KV MiB':>8}{'warm-up s':>10}"
     )
     lines = [head]
     for mode, by_batch in result.items():
         for b, rows in by_batch.items():
             for n, r in rows.items():
-                lo, hi = r["decode_ratio_range"]
+                lo, hi = r["decode_ratio_ci95"]
                 lines.append(
                     f"{mode:<9}{b:>2} {n:<16}{r['prefill_s']:>10.4f}{r['prefill_ratio']:>8.3f}"
                     f"{r['decode_ms_median']:>10.2f}{r['decode_ms_p90']:>8.2f}"

@@ -25,6 +25,8 @@ def test_decode_benchmark_figures():
             assert r["kv_cache_mib"] == pytest.approx(kv)
             assert r["decode_ms_median"] > 0 and r["decode_ms_p90"] >= r["decode_ms_median"]
             assert r["decode_tokens_per_s"] > 0 and r["decode_ratio"] > 0
+            lo, hi = r["decode_ratio_ci95"]
+            assert lo <= r["decode_ratio"] <= hi and len(r["prefill_ratio_ci95"]) == 2
         # a routed forward holds the embedding, the block sums and the partial at once, the
         # baseline only its running sum (and the embedding it started from): more bytes
         assert rows["sliced2_r16"]["prefill_depth_state_mib"] > base["prefill_depth_state_mib"]
@@ -47,6 +49,24 @@ def test_compiled_mode_beside_eager():
         # a compiled graph has no Python depth state to count; the eager path counts it
         assert (row["decode_depth_state_kib"] is None) == (mode == "compiled")
     assert "compiled" in decode.table(res) and "eager" in decode.table(res)
+
+
+def test_shared_weights_are_the_donors_memory():
+    """Every variant reads its weights from the same memory: the P-LR model (most elements) is
+    the donor, the others' output projections its fused weights' first rows; queries stay own."""
+    names = ("baseline", "sliced2_r16", "projected2_r16")
+    models = [decode.Decoder(n, "debug", "cpu").model for n in names]
+    donor = dict(models[2].named_parameters())
+    decode.share_weights(models)
+    for model in models[:2]:
+        for name, p in model.named_parameters():
+            if name.startswith("router."):
+                assert name not in donor or p.data_ptr() != donor[name].data_ptr()
+                continue
+            d = donor[name]
+            assert p.data_ptr() == d.data_ptr() and torch.equal(p, d[: p.shape[0]])
+    wo = models[0].layers["0"].attention.wo.weight
+    assert wo.shape[0] < donor["layers.0.attention.wo.weight"].shape[0]  # [W^O; W^K] shared
 
 
 def test_depth_state_counts_shared_storage_once():
