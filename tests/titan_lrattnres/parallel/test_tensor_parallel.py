@@ -159,13 +159,11 @@ def runs(env, tmp_path_factory):
 
 
 CASES = {
-    # model, sequence parallel, extra flags
+    # model, sequence parallel, extra flags (TP without SP: test_recipe_tp's compiled case)
     "sliced_sp_typechecked": ("sliced", True, ["--debug.spmd_typechecking"]),
-    "sliced_no_sp": ("sliced", False, []),
-    "projected_sp_padded_vocab": ("projected_v1025", True, []),
-    "projected_no_sp_padded_vocab_typechecked": (
+    "projected_sp_padded_vocab_typechecked": (
         "projected_v1025",
-        False,
+        True,
         ["--debug.spmd_typechecking"],
     ),
     "standard_full_sp_compiled": (
