@@ -120,7 +120,7 @@ class Decoder:
     def start(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
         """Prefill ``prompt`` into a fresh cache with room for ``new`` more tokens; the run's
         record (seconds, depth-state peak; the peaks are those of the eager path: a compiled
-        graph has no Python state). :meth:`step` then decodes one greedy token of it."""
+        graph has no Python state). :meth:`decode` then takes one greedy step of it."""
         from titan_lrattnres.evaluation.generate import KVCache
 
         step = self.step(mode)
@@ -148,6 +148,7 @@ class Decoder:
         run["logits"] = logits
 
     def finish(self, run: dict) -> dict:
+        """The run's record once its steps are taken (checked finite; cache bytes counted)."""
         if not torch.isfinite(run.pop("logits")).all():
             raise RuntimeError("non-finite logits while decoding")
         cache = run.pop("cache")
