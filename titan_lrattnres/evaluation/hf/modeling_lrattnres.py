@@ -53,15 +53,26 @@ def key_rmsnorm(key: torch.Tensor, eps: float | None = None) -> torch.Tensor:
 
 def depth_logits(keys, query: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """Routing logits ``[S, ...]`` (fp32) of one query ``[r]`` over S raw keys ``[..., r]``."""
-    k = torch.stack([key_rmsnorm(key, eps) for key in keys])
-    return (k * query.float()).sum(-1)
+    q = query.float()
+    return torch.stack([(key_rmsnorm(key, eps) * q).sum(-1) for key in keys])
 
 
 def depth_read(values, keys, query: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in fp32, returned in the values' dtype."""
-    alpha = torch.softmax(depth_logits(keys, query, eps), dim=0)
-    v = torch.stack([x.float() for x in values])
-    return (alpha.unsqueeze(-1) * v).sum(0).to(values[0].dtype)
+    """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in fp32, returned in the values' dtype;
+    source by source as the reference computes it: ``w_s = exp(ℓ_s - max ℓ)``,
+    ``α_s = w_s / Σ w``."""
+    logits = depth_logits(keys, query, eps).unbind(0)
+    top = logits[0]
+    for logit in logits[1:]:
+        top = torch.maximum(top, logit)
+    weights = [torch.exp(logit - top) for logit in logits]
+    total = weights[0]
+    for w in weights[1:]:
+        total = total + w
+    h = (weights[0] / total).unsqueeze(-1) * values[0].float()
+    for w, v in zip(weights[1:], values[1:]):
+        h = h + (w / total).unsqueeze(-1) * v.float()
+    return h.to(values[0].dtype)
 
 
 def schedule_ends(
