@@ -78,21 +78,15 @@ def _logits(keys, query: torch.Tensor, eps, normalised: bool) -> list[torch.Tens
     return out
 
 
-def depth_logits(
-    keys: Sequence[torch.Tensor],
-    query: torch.Tensor,
-    eps: float | None = None,
-    *,
-    normalised: bool = False,
-):
-    """Routing logits (fp32): ``[S, ...]`` for a query ``[r]``, ``[c, S, ...]`` for ``[c, r]``.
-    ``normalised``: the keys are already ``key_rmsnorm``'s output (a caller that reads the same
-    sources at many sites normalises each once)."""
-    return torch.stack(_logits(keys, query, eps, normalised), dim=query.dim() - 1)
+def depth_logits(keys: Sequence[torch.Tensor], query: torch.Tensor, eps: float | None = None):
+    """Routing logits (fp32): ``[S, ...]`` for a query ``[r]``, ``[c, S, ...]`` for ``[c, r]``."""
+    return torch.stack(_logits(keys, query, eps, normalised=False), dim=query.dim() - 1)
 
 
 def depth_read_with_lse(values, keys, query, eps=None, *, normalised=False):
-    """The read and its per-token log-sum-exp (``normalised``: as in :func:`depth_logits`).
+    """The read and its per-token log-sum-exp. ``normalised``: the keys are already
+    ``key_rmsnorm``'s output (a caller that reads the same sources at many sites normalises each
+    once).
 
     Returns ``(h, lse)``: h ``[..., d]`` in the values' dtype (``[c, ..., d]`` for a ``[c, r]``
     query bank), lse fp32 ``[...]`` (``[c, ...]``).

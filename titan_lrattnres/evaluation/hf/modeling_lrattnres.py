@@ -61,18 +61,11 @@ def depth_read(values, keys, query: torch.Tensor, eps: float | None = None) -> t
     """``h = Σ_s softmax_s(<q, RMSNorm(k_s)>) v_s`` in fp32, returned in the values' dtype;
     source by source as the reference computes it: ``w_s = exp(ℓ_s - max ℓ)``,
     ``α_s = w_s / Σ w``."""
-    logits = depth_logits(keys, query, eps).unbind(0)
-    top = logits[0]
-    for logit in logits[1:]:
-        top = torch.maximum(top, logit)
-    weights = [torch.exp(logit - top) for logit in logits]
-    total = weights[0]
-    for w in weights[1:]:
-        total = total + w
-    h = (weights[0] / total).unsqueeze(-1) * values[0].float()
-    for w, v in zip(weights[1:], values[1:]):
-        h = h + (w / total).unsqueeze(-1) * v.float()
-    return h.to(values[0].dtype)
+    logits = depth_logits(keys, query, eps)
+    weights = list(torch.exp(logits - logits.amax(0)).unbind(0))
+    total = sum(weights[1:], weights[0])  # left to right, as the reference adds
+    terms = [(w / total).unsqueeze(-1) * v.float() for w, v in zip(weights, values)]
+    return sum(terms[1:], terms[0]).to(values[0].dtype)
 
 
 def schedule_ends(
