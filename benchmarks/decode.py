@@ -135,7 +135,7 @@ class Decoder:
         run = {"prefill_s": time.perf_counter() - t0, "prefill_depth_state_bytes": self.peak}
         self.peak = 0
         run.update(step_s=[], fn=step, cache=cache, device=device)
-        run["next"] = logits[:, -1].argmax(-1, keepdim=True)
+        run["next"], run["logits"] = logits[:, -1].argmax(-1, keepdim=True), logits
         return run
 
     def decode(self, run: dict) -> None:
