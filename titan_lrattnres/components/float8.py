@@ -43,13 +43,16 @@ def check_float8_hardware(emulate: bool) -> None:
         )
 
 
-@dataclass(kw_only=True, slots=True)
-class Float8LinearConfig(Float8Linear.Config):
-    """torchtitan's ``Float8Linear.Config`` that checks the hardware when the layer is built."""
+if Float8Linear is not None:  # None without torchao: the converter refuses when built
 
-    def build(self, **kwargs):
-        check_float8_hardware(self._torchao_config.emulate)
-        return Float8Linear.Config.build(self, **kwargs)
+    @dataclass(kw_only=True, slots=True)
+    class Float8LinearConfig(Float8Linear.Config):
+        """torchtitan's ``Float8Linear.Config`` that checks the hardware when the layer is
+        built."""
+
+        def build(self, **kwargs):
+            check_float8_hardware(self._torchao_config.emulate)
+            return Float8Linear.Config.build(self, **kwargs)
 
 
 class Float8Rowwise(QuantizationConverter):
@@ -67,6 +70,8 @@ class Float8Rowwise(QuantizationConverter):
         """Emulated float8 matmuls (CPU tests; refused with compile), same recipe."""
 
     def __init__(self, config: Config):
+        if Float8Linear is None:
+            raise ImportError("float8 training needs torchao (pip install torchao==0.18.0)")
         from torchao.float8 import Float8LinearConfig as TorchAOConfig
 
         if config.emulate and config.model_compile_enabled:

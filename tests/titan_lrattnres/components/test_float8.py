@@ -94,3 +94,24 @@ def test_emulated_rowwise_forward_backward_is_within_float8_tolerance():
         err16 = ((g16[name] - g).norm() / g.norm()).item()
         assert err8 < FP8_GRAD_RTOL, (name, err8)
         assert err8 > 2 * err16, (name, err8, err16)  # float8 is really in the loop
+
+
+def test_without_torchao_the_configs_import_and_float8_refuses_in_one_line():
+    """torchtitan sets ``Float8Linear = None`` when torchao is missing (e.g. a GPU image with its
+    own torch): every training config still imports, and only a float8 converter refuses."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torchtitan.components.quantization as q; q.Float8Linear = None\n"
+        "import train_configs\n"
+        "from titan_lrattnres.components.float8 import Float8Rowwise\n"
+        "try:\n"
+        "    Float8Rowwise(Float8Rowwise.Config())\n"
+        "except ImportError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == (
+        "refused: float8 training needs torchao (pip install torchao==0.18.0)"
+    )
