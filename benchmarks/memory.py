@@ -323,6 +323,16 @@ def train_step(model, optimizers, loss_fn, tokens, labels, max_norm: float):
     return loss
 
 
+def device_snapshot(snaps: dict, device: str) -> dict:
+    """The tracker's snapshot of ``device`` among its per-device ones (a CUDA step also holds a
+    few host tensors, which get an entry of their own: left out, as the prediction has none)."""
+    kind = torch.device(device).type
+    mine = [snap for d, snap in snaps.items() if torch.device(d).type == kind]
+    if len(mine) != 1:
+        raise RuntimeError(f"expected one {kind} snapshot, got devices {list(snaps)}")
+    return mine[0]
+
+
 def track(case: Case, device: str = "cpu", fake: bool = True, step_hook=None) -> dict:
     """The tracked step of ``case`` (a process group must be up): peak total, the categories at
     the peak and each one's own maximum, in bytes. ``step_hook``: a context manager entered
@@ -341,7 +351,7 @@ def track(case: Case, device: str = "cpu", fake: bool = True, step_hook=None) ->
             tracker.allow_repeated_calls(model.lm_head)
             train_step(model, optimizers, loss_fn, tokens, labels, case.max_norm)
         snaps = tracker.get_tracker_snapshot("peak")
-    (snap,) = snaps.values()  # one device
+    snap = device_snapshot(snaps, device)
     raw = {_reftype_name(k): v for k, v in snap.items() if _reftype_name(k) != "Total"}
     maxima = tracker.category_max
     return {

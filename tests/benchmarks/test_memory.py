@@ -73,3 +73,14 @@ def test_command_line_and_sharding(tmp_path, capsys):
     assert two == pytest.approx(one / 2, rel=0.01)
     with pytest.raises(SystemExit):
         memory.main(["--variants", "nonsense"])
+
+
+def test_a_cuda_step_reads_the_cuda_snapshot_not_the_host_tensors():
+    import torch
+
+    cuda, host = {"Total": 7 << 30}, {"Total": 1024}
+    snaps = {torch.device("cuda", 0): cuda, torch.device("cpu"): host}
+    assert memory.device_snapshot(snaps, "cuda") is cuda
+    assert memory.device_snapshot({torch.device("cpu"): host}, "cpu") is host
+    with pytest.raises(RuntimeError, match="expected one cuda snapshot"):
+        memory.device_snapshot({torch.device("cpu"): host}, "cuda")
