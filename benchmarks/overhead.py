@@ -84,8 +84,9 @@ class Shape:
         return self.hidden or -(-11 * self.dim // 4 // 64) * 64
 
 
-def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: int = 0):
-    """The project's model for variant ``name``, weights from ``seed``, sublayers compiled."""
+def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: int = 0, attn=None):
+    """The project's model for variant ``name``, weights from ``seed``, sublayers compiled;
+    attention ``attn`` (default: SDPA on CPU, FlexAttention on GPU)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
@@ -101,7 +102,7 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
         max_seq_len=shape.seq,
     )
     torch.manual_seed(seed)
-    attn = "sdpa" if torch.device(device).type == "cpu" else "flex"
+    attn = attn or ("sdpa" if torch.device(device).type == "cpu" else "flex")
     blocks = None if blocks is None else min(blocks, 2 * shape.layers)
     config = build_model_config(
         flavor, variant=variant, blocks=blocks, rank=min(rank or 64, shape.dim), attn_backend=attn
@@ -126,19 +127,36 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
     return model
 
 
+def attention_kwargs(model, tokens) -> dict:
+    """The forward's attention masks: FlexAttention's ``BlockMask`` (causal, one document per
+    row), built once as the Trainer builds one per batch; SDPA needs none."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    if not isinstance(model.config.first_attention.inner_attention, FlexAttention.Config):
+        return {}
+    b, t = tokens.shape
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    return {"attention_masks": model.get_attention_masks(positions)}
+
+
 class Step:
     """One training step of a model on fixed tokens: forward, loss, backward (+ AdamW)."""
 
     def __init__(self, model, tokens, targets, optimizer: bool, cuda_graph: bool):
         self.model, self.tokens, self.targets = model, tokens, targets
+        self.kwargs = attention_kwargs(model, tokens)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
         self.graph = None
         self.loss = None
         if cuda_graph:
             self._capture()
 
+    def _loss(self):
+        logits = self.model(self.tokens, **self.kwargs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), self.targets)
+
     def eager(self):
-        loss = F.cross_entropy(self.model(self.tokens).flatten(0, 1).float(), self.targets)
+        loss = self._loss()
         loss.backward()
         if self.opt is not None:
             self.opt.step()
@@ -156,7 +174,7 @@ class Step:
         self.model.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.loss = F.cross_entropy(self.model(self.tokens).flatten(0, 1).float(), self.targets)
+            self.loss = self._loss()
             self.loss.backward()
             if self.opt is not None:
                 self.opt.step()

@@ -62,3 +62,24 @@ def test_saved_runs_pool_their_rounds(tmp_path, capsys):
         overhead.rescore([a, c])
     assert overhead.main(["--from-json", a, c]) == 2
     assert "not a run of" in capsys.readouterr().err
+
+
+def test_flex_attention_steps_get_the_causal_block_mask():
+    """On GPU the benchmark's model uses FlexAttention, which needs its BlockMask: with it, the
+    forward equals the SDPA model's from the same weights (causal, one document per row)."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask
+
+    shape = overhead.Shape(2, 64, 64, heads=4, vocab=256)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for attn in ("sdpa", "flex"):
+        model = overhead.build("sliced2_r16", shape, "cpu", torch.float32, False, attn=attn)
+        kwargs = overhead.attention_kwargs(model, tokens)
+        if attn == "flex":
+            assert isinstance(kwargs["attention_masks"], BlockMask)
+        else:
+            assert kwargs == {}
+        with torch.no_grad():  # FlexAttention has no backward on CPU
+            logits[attn] = model(tokens, **kwargs)
+    torch.testing.assert_close(logits["flex"], logits["sdpa"], rtol=1e-4, atol=1e-4)
