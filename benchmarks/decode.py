@@ -145,7 +145,7 @@ class Decoder:
         run["next"] = logits[:, -1].argmax(-1, keepdim=True)
         _sync(run["device"])
         run["step_s"].append(time.perf_counter() - t0)
-        run["logits"] = logits
+        run["logits"] = logits.clone()  # a CUDA graph's output lives until its next step
 
     def finish(self, run: dict) -> dict:
         """The run's record once its steps are taken (checked finite; cache bytes counted)."""
@@ -187,8 +187,11 @@ def measure(
     modes=MODES,
     device="cpu",
     progress=print,
+    on_result=None,
 ) -> dict:
-    """``{mode: {batch: {variant: figures}}}``; ``variants`` must include ``"baseline"``."""
+    """``{mode: {batch: {variant: figures}}}``; ``variants`` must include ``"baseline"``. Modes
+    run one after the other, each batch size in turn; ``on_result(mode, batch, rows)`` is called
+    as each is done (a caller under a time cap keeps what finished)."""
     from titan_lrattnres.model.registry import FLAVORS
 
     if "baseline" not in variants:
@@ -206,20 +209,19 @@ def measure(
     share_weights([d.model for d in decoders.values()])
     vocab = FLAVORS[flavor].vocab_size
     g = torch.Generator().manual_seed(1)
+    prompts = {b: torch.randint(0, vocab, (b, prompt), generator=g).to(device) for b in batches}
     out = {m: {} for m in modes}
-    for b in batches:
-        tokens = torch.randint(0, vocab, (b, prompt), generator=g).to(device)
-        compile_s = {}
-        for n, d in decoders.items():
-            for m in modes:  # warm-up, the shapes of the rounds: compiles both graphs
+    for m in modes:
+        for b, tokens in prompts.items():
+            warmup_s = {}
+            for n, d in decoders.items():  # warm-up, the shapes of the rounds: compiles both graphs
                 t0 = time.perf_counter()
                 d.run(tokens, new, device, m)
-                compile_s[m, n] = time.perf_counter() - t0
-                progress(f"  B={b} warm-up {m} {n}: {compile_s[m, n]:.1f} s")
-        runs = {(m, n): [] for m in modes for n in variants}
-        order = list(variants)
-        for r in range(rounds):
-            for m in modes:
+                warmup_s[n] = time.perf_counter() - t0
+                progress(f"  B={b} warm-up {m} {n}: {warmup_s[n]:.1f} s")
+            runs = {n: [] for n in variants}
+            order = list(variants)
+            for r in range(rounds):
                 k = r % len(order)
                 rotated = order[k:] + order[:k]
                 # every variant prefills, then decodes step by step in turn: a step's ratio
@@ -229,26 +231,27 @@ def measure(
                     for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
                         decoders[n].decode(live[n])
                 for n in rotated:
-                    runs[m, n].append(decoders[n].finish(live[n]))
-                base = runs[m, "baseline"][-1]
+                    runs[n].append(decoders[n].finish(live[n]))
+                base = runs["baseline"][-1]
                 progress(
                     f"  B={b} round {r + 1}/{rounds} {m}: "
                     + " ".join(
-                        f"{n} {runs[m, n][-1]['prefill_s'] / base['prefill_s']:.3f}/"
-                        f"{_step_ratio(runs[m, n][-1], base):.3f}"
+                        f"{n} {runs[n][-1]['prefill_s'] / base['prefill_s']:.3f}/"
+                        f"{_step_ratio(runs[n][-1], base):.3f}"
                         for n in variants[1:]
                     )
                     + "  (prefill/decode ratio)"
                 )
-        for m in modes:
             out[m][b] = {
                 n: {
                     "variant": list(parse_variant(n)),
-                    "warmup_s": compile_s[m, n],
-                    **_summarise(runs[m, n], runs[m, "baseline"], b),
+                    "warmup_s": warmup_s[n],
+                    **_summarise(runs[n], runs["baseline"], b),
                 }
                 for n in variants
             }
+            if on_result is not None:
+                on_result(m, b, out[m][b])
     return out
 
 
@@ -324,19 +327,26 @@ def main(argv=None) -> int:
         f"{a.rounds} rounds on {a.device}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads"
     )
+    done = {}
+
+    def save(mode, batch, rows):  # each (mode, batch) printed and written as it is done
+        done.setdefault(mode, {})[batch] = rows
+        print(table({mode: {batch: rows}}), flush=True)
+        if a.json:
+            write(a.json, {"config": dict(vars(a), **environment(a.device)), "result": done})
+
     try:
         for v in variants:
             parse_variant(v)
-        result = measure(
+        measure(
             a.flavor, variants=variants, prompt=a.prompt, new=a.new, batches=batches,
             rounds=a.rounds, modes=tuple(m for m in a.modes.split(",") if m), device=a.device,
+            on_result=save, progress=lambda m: print(m, flush=True),
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         print(f"decode: {e}", file=sys.stderr)
         return 2
-    print(table(result))
-    if a.json:
-        write(a.json, {"config": dict(vars(a), **environment(a.device)), "result": result})
+    print(table(done))
     return 0
 
 

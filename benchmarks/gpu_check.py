@@ -33,10 +33,11 @@ to the JSON (rewritten after every section), so one failure never hides the othe
    within each round, median over rounds.
 8. ``decode``: ``benchmarks.decode.measure`` at the paper's shape (``paper_0p5b``, random
    weights, fp32): prefill of 1x128 and 8x128 prompts, then 16 KV-cached greedy steps, per variant
-   (baseline, standard, S-LR r=64 and P-LR r=32 Block N=8), 3 rounds, in both modes: compiled
-   (``CompiledForward``: the step captured in a CUDA graph, the reads fused by Inductor) and eager
-   (the Triton depth reads); ``decode_ratio`` / ``prefill_ratio``: over the same mode's baseline
-   (median over rounds; the CPU bar is <= 1.05).
+   (baseline, standard, S-LR r=64 and P-LR r=32 Block N=8), 3 rounds, eager (the Triton depth
+   reads) and, when the section runs alone, compiled (``CompiledForward``: the step captured in a
+   CUDA graph, the reads fused by Inductor), each batch size stored as it is done;
+   ``decode_ratio`` / ``prefill_ratio``: over the same mode's baseline (median over rounds; the
+   CPU bar is <= 1.05).
 9. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
    backward, on the shapes each supports, with agreement vs our reference (skipped on CPU).
 10. ``step_ratios_cuda_graphs``: section 7 with the whole step captured in a CUDA graph; last,
@@ -53,7 +54,8 @@ Sizing (whole script <= 6 min on an H200; ``gpu_check.sh`` gives Python the end 
 kills it at 360 s): the GPU work itself is seconds (a 16k-token read moves 0.3-3 GB at ~4 TB/s: < 1
 ms; a paper-shape step is ~10-50 ms), so sections are sized by compilation, each under a cap
 (``CAPS``, a hard stop). ops_check: opcheck runs each op ~5 times through aot_dispatch and the
-compiled impl is inductor-compiled per shape (cap 60 s). memory: the prediction is ~10 s of Python
+compiled impl is inductor-compiled per shape (cap 60 s, which the first H200 run reached: the
+Triton impl goes first and results are kept as they come). memory: the prediction is ~10 s of Python
 dispatch per variant on one CPU core (~50 s from the start, beside sections 1-4); each GPU step
 builds the model (~1 s), compiles its variant's Triton depth reads on first use (estimate 5-10 s)
 and runs in ~0.1 s (cap 60 s; the variants done by then are reported). grad_parity: the Triton
@@ -65,17 +67,18 @@ compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targ
 N=8 and Full have none and would add ~40 s of compile each); inductor compiling the sublayer graphs
 dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x <= 50 ms = 3 s of
 timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to a few tenths of a
-point (cap 150 s). decode: compiling dominates, 4 variants x (a prefill graph + one decode graph
-per batch size) of the 48-sublayer model (not measured on a GPU; estimate 15-30 s each), then
-3 rounds x 4 variants x 2 modes x 2 batches x (prefill + 16 steps of a few ms) ~ 10 s (cap 150 s,
-taken from what peers would get). peers: they autotune on the first
-call (liger none, flash-attn-res ~20 configs, fla-core 58, fast-attnres ~106 per rank), ~0.5 s per
-config, left as shipped (pruning their configs would handicap them); rows run cheapest first, r=64
-before r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9) and (1024, 17), until
-the deadline less section 10's cap; the rest are reported as skipped (``--sections peers`` alone
-gives them ~5 min). step_ratios_cuda_graphs re-uses section 7's compiled graphs (dynamo and this
-run's inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny shapes,
-eager sublayers) runs every section in ~30-60 s on 2 cores.
+point (cap 150 s). decode: eager only in the full check (measured on an H200 machine: 4 variants
+x 2 batches, warm-ups of 0.3-8 s each and 3 rounds, ~45 s; cap 150 s); the compiled mode's
+whole-model graphs compile for minutes (measured there: 88 s for the baseline's prefill + decode
+graphs at batch 1, 212 s for S-LR's), so only ``--sections decode`` alone runs it, given the
+time by ``GPU_CHECK_SECONDS`` (~1,500 s for 4 variants x 2 batches). peers: they autotune on the
+first call (liger none, flash-attn-res ~20 configs, fla-core 58, fast-attnres ~106 per rank), ~0.5 s
+per config, left as shipped (pruning their configs would handicap them); rows run cheapest first,
+r=64 before r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9) and (1024, 17),
+until the deadline less section 10's cap; the rest are reported as skipped (``--sections peers``
+alone gives them ~5 min). step_ratios_cuda_graphs re-uses section 7's compiled graphs (dynamo and
+this run's inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny
+shapes, eager sublayers) runs every section in ~30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -304,7 +307,11 @@ def step_ratios(res, device, dry, cuda_graphs):
     res["table"] = overhead.table(res["result"])
 
 
-def decode(res, device, dry):
+def decode(res, device, dry, compiled: bool):
+    """Eager, then (``compiled``: the section run alone) compiled, each batch size in turn, each
+    stored as it is done (a cap keeps what finished). The compiled mode's whole-model graphs
+    take minutes to compile at this shape (measured on an H200 machine: the baseline's prefill
+    + decode graphs 88 s, S-LR's 212 s), more than the full check can give them."""
     from benchmarks import decode as decode_bench
 
     if dry:  # the compiled mode's CPU compiles (~20 s per graph) stay out of the dry run
@@ -312,24 +319,23 @@ def decode(res, device, dry):
         variants = ("baseline", "attnres2", "sliced2_r32", "projected2_r32")
     else:
         config = dict(flavor="paper_0p5b", prompt=128, new=16, batches=(1, 8), rounds=3,
-                      modes=("compiled", "eager"))  # fmt: skip
+                      modes=("eager", "compiled") if compiled else ("eager",))  # fmt: skip
         variants = DECODE_VARIANTS
     res["config"] = dict(config, variants=variants, dtype="float32")
+    result = res["result"] = {}
+    ratios = res["decode_ratio"], res["prefill_ratio"] = {}, {}
+
+    def done(mode, batch, rows):
+        result.setdefault(mode, {})[batch] = rows
+        for key, into in zip(("decode_ratio", "prefill_ratio"), ratios, strict=True):
+            into[f"{mode} B={batch}"] = {n: round(r[key], 3) for n, r in rows.items()}
+        res["table"] = decode_bench.table(result)
+
     flavor = config.pop("flavor")
-    res["result"] = decode_bench.measure(
-        flavor, variants=variants, device=device, progress=lambda m: print("[decode]", m), **config
-    )
-    res["decode_ratio"] = {
-        f"{mode} B={b}": {n: round(r["decode_ratio"], 3) for n, r in rows.items()}
-        for mode, by_batch in res["result"].items()
-        for b, rows in by_batch.items()
-    }
-    res["prefill_ratio"] = {
-        f"{mode} B={b}": {n: round(r["prefill_ratio"], 3) for n, r in rows.items()}
-        for mode, by_batch in res["result"].items()
-        for b, rows in by_batch.items()
-    }
-    res["table"] = decode_bench.table(res["result"])
+    decode_bench.measure(
+        flavor, variants=variants, device=device, on_result=done,
+        progress=lambda m: print("[decode]", m, flush=True), **config,
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,7 +418,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     # gpu_check.sh passes the wall-clock end of its budget (pip and imports already spent)
     end = float(os.environ.get("GPU_CHECK_END", time.time() + DEADLINE_S))
-    deadline = t_start + min(DEADLINE_S, end - time.time())
+    deadline = t_start + end - time.time()
     result = {"device": str(device), "dry_run": dry, **meta.environment(device),
               "versions": _versions(), "caps_s": CAPS}  # fmt: skip
     if dry:
@@ -437,7 +443,7 @@ def main(argv=None):
     # whole step could leave this process's CUDA context unusable
     reserve = CAPS["step_ratios_cuda_graphs"] if "step_ratios_cuda_graphs" in wanted else 0
     sections = {
-        "ops_check": lambda res: res.update(gpu_parity.check_ops(device, dry)),
+        "ops_check": lambda res: gpu_parity.check_ops(device, dry, out=res),
         "grad_parity": lambda res: res.update(gpu_parity.grad_parity(device, dry)),
         "graph_parity": lambda res: json_finish(res, bg["graph_parity"], wait_for("graph_parity")),
         "context_parallel": lambda res: json_finish(
@@ -447,7 +453,7 @@ def main(argv=None):
         "memory": lambda res: memory_section(res, bg["memory"], device, wait_for("memory")),
         "op_bandwidth": lambda res: op_bandwidth(res, device, dry),
         "step_ratios": lambda res: step_ratios(res, device, dry, cuda_graphs=False),
-        "decode": lambda res: decode(res, device, dry),
+        "decode": lambda res: decode(res, device, dry, compiled=wanted == ["decode"]),
         "peers": lambda res: peers.run(
             res, device, dry, deadline - reserve - 15, repeat=3 if dry else 20
         ),
@@ -475,15 +481,16 @@ def run_sections(sections, wanted, result, deadline, reserve, t_start, path):
     for name in (n for n in sections if n in wanted):
         res = result[name] = {}
         left = deadline - time.perf_counter() - (reserve if name == "peers" else 0)
+        cap = left if len(wanted) == 1 else min(CAPS[name], left)  # alone: the whole budget
         t0 = time.perf_counter()
         if left < 5:
-            res["skipped"] = f"time budget: {left:.0f} s left of {DEADLINE_S:.0f} s"
+            res["skipped"] = f"time budget: {left:.0f} s left of {deadline - t_start:.0f} s"
         else:
-            signal.setitimer(signal.ITIMER_REAL, min(CAPS[name], left))
+            signal.setitimer(signal.ITIMER_REAL, cap)
             try:
                 sections[name](res)
             except SectionTimeout:
-                res["error"] = f"stopped at its cap of {min(CAPS[name], left):.0f} s"
+                res["error"] = f"stopped at its cap of {cap:.0f} s"
             except Exception:  # noqa: BLE001 (recorded; the other sections still run)
                 res["error"] = traceback.format_exc()[-4000:]
             finally:

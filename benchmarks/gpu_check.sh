@@ -14,8 +14,9 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$(mktemp -d)}"
-# Everything below, pip included, within 6 minutes; the Python side gets the end as a deadline.
-export GPU_CHECK_END=$(($(date +%s) + 345))
+# Everything below, pip included, within 6 minutes (GPU_CHECK_SECONDS + 15 s); the Python side
+# gets the end as a deadline. A longer budget suits a single section run alone, which gets it all.
+export GPU_CHECK_END=$(($(date +%s) + ${GPU_CHECK_SECONDS:-345}))
 
 # Wheels whose distribution is missing (any version present counts: never shadow an installed one).
 if compgen -G "wheels/*.whl" >/dev/null; then

@@ -49,6 +49,11 @@ class KVCache:
                 shape = (batch, max_len, a.n_kv_heads, a.head_dim)
                 self.k[j] = torch.zeros(shape, dtype=dtype or p.dtype, device=device)
                 self.v[j] = torch.zeros_like(self.k[j])
+                if static and torch.device(device).type == "cuda":
+                    # written in place inside a CUDA graph: a graph may mutate static inputs
+                    # only; guard=False so a new cache re-records the graph, not recompiles
+                    for t in (self.k[j], self.v[j]):
+                        torch._dynamo.mark_static_address(t, guard=False)
 
     def positions(self, t: int) -> torch.Tensor:
         """Positions ``[1, t]`` of the next ``t`` tokens."""
@@ -160,6 +165,7 @@ class CompiledForward:
         options = (
             {"triton.cudagraphs": True} if cuda_graphs else {"cpp.threads": 1, "cpp_wrapper": True}
         )
+        self.cuda_graphs = cuda_graphs
         self.decode = torch.compile(
             _compiled_decode, fullgraph=True, dynamic=False, options=options
         )
@@ -174,6 +180,9 @@ class CompiledForward:
         t = tokens.shape[1]
         cache.reserve(t)
         fn = self.decode if t == 1 else self.prefill
+        if self.cuda_graphs and t == 1:
+            # a new step: the previous step's logits (graph memory) may be overwritten now
+            torch.compiler.cudagraph_mark_step_begin()
         # the graphs of every CompiledForward share two functions: room for many models
         with depth_backend(self.model, "reference"), _dynamo_config.patch(recompile_limit=64):
             logits = fn(self.model, tokens, cache)
