@@ -71,3 +71,16 @@ def test_compiled_decode_refuses_what_it_cannot_run():
         gen.generate(other, tokens, 2, compiled=compiled)
     with pytest.raises(ValueError, match="use_cache=True"):
         gen.generate(model, tokens, 2, compiled=compiled, use_cache=False)
+
+
+def test_each_compiled_forward_gets_code_objects_of_its_own():
+    """torch.compile keeps graphs per code object: distinct ones keep each model's guard checks
+    to its own graphs; the copies compute what the function does."""
+
+    def plus(x, y=2):
+        return x + y
+
+    a, b = gen._own_code(plus), gen._own_code(plus)
+    assert len({id(plus.__code__), id(a.__code__), id(b.__code__)}) == 3
+    assert a.__code__.co_code == plus.__code__.co_code
+    assert a(1, 3) == plus(1, 3) == 4 and a(1) == 3
