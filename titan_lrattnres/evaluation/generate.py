@@ -144,10 +144,6 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return logits
 
 
-def _compiled_decode(model, tokens, cache):
-    return _forward_cached(model, tokens, cache)
-
-
 _instances = itertools.count()
 
 
@@ -181,7 +177,7 @@ class CompiledForward:
         )
         self.cuda_graphs = cuda_graphs
         self.decode = torch.compile(
-            _own_code(_compiled_decode), fullgraph=True, dynamic=False, options=options
+            _own_code(_forward_cached), fullgraph=True, dynamic=False, options=options
         )
         self.prefill = torch.compile(_own_code(_forward_cached), fullgraph=True, dynamic=True)
 
