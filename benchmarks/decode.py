@@ -168,6 +168,36 @@ class Decoder:
         return self.finish(run)
 
 
+@torch.no_grad()
+def compiled_agreement(flavor: str, variant: str, device, *, prompt: int = 8, new: int = 6) -> dict:
+    """The compiled path against the eager one, same weights and tokens: a prompt, then ``new``
+    single-token steps (the eager path's greedy tokens fed to both), into one static cache and
+    then into a second one (on CUDA a new cache is at new addresses: its step graph must be
+    recorded anew, never replayed into the first cache's memory). Largest logit difference of
+    each and whether the greedy tokens agree."""
+    from titan_lrattnres.evaluation.generate import KVCache, forward_cached
+    from titan_lrattnres.model.registry import FLAVORS
+
+    d = Decoder(variant, flavor, device)
+    d.tracking = False
+    fn = d.step("compiled")
+    g = torch.Generator().manual_seed(3)
+    out = {"variant": variant, "flavor": flavor, "max_abs_diff": [], "tokens_equal": True}
+    for _ in range(2):  # another prompt: the second cache's contents differ from the first's
+        eager = KVCache(d.model, 2, prompt + new)
+        static = KVCache(d.model, 2, prompt + new, static=True)
+        step = torch.randint(0, FLAVORS[flavor].vocab_size, (2, prompt), generator=g).to(device)
+        for _ in range(new + 1):
+            want = forward_cached(d.model, step, eager)
+            got = fn(step, static).clone()
+            out["max_abs_diff"].append((got - want).abs().max().item())
+            nxt = want[:, -1].argmax(-1, keepdim=True)
+            out["tokens_equal"] &= bool(torch.equal(got[:, -1].argmax(-1, keepdim=True), nxt))
+            step = nxt
+    out["worst"] = max(out["max_abs_diff"])
+    return out
+
+
 def _p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10)[-1] if len(xs) > 1 else xs[0]
 

@@ -317,10 +317,19 @@ def decode(res, device, dry, compiled: bool):
     if dry:  # the compiled mode's CPU compiles (~20 s per graph) stay out of the dry run
         config = dict(flavor="debug", prompt=16, new=4, batches=(1, 2), rounds=2, modes=("eager",))
         variants = ("baseline", "attnres2", "sliced2_r32", "projected2_r32")
-    else:
-        config = dict(flavor="paper_0p5b", prompt=128, new=16, batches=(1, 8), rounds=3,
+    else:  # GPU_CHECK_DECODE_VARIANTS / _BATCHES: a subset, to fit the compiles in less time
+        batches = os.environ.get("GPU_CHECK_DECODE_BATCHES", "1,8")
+        config = dict(flavor="paper_0p5b", prompt=128, new=16, rounds=3,
+                      batches=tuple(int(b) for b in batches.split(",")),
                       modes=("eager", "compiled") if compiled else ("eager",))  # fmt: skip
-        variants = DECODE_VARIANTS
+        variants = os.environ.get("GPU_CHECK_DECODE_VARIANTS", ",".join(DECODE_VARIANTS))
+        variants = tuple(v for v in variants.split(",") if v)
+    if compiled and not dry:  # first: the compiled step (a CUDA graph) computes what eager does
+        check = res["compiled_agreement"] = decode_bench.compiled_agreement(
+            "debug", "projected2_r32", device
+        )
+        res["all_ok"] = check["tokens_equal"] and check["worst"] <= 1e-4
+        print(f"[decode] compiled vs eager: {check}", flush=True)
     res["config"] = dict(config, variants=variants, dtype="float32")
     result = res["result"] = {}
     ratios = res["decode_ratio"], res["prefill_ratio"] = {}, {}
@@ -469,7 +478,7 @@ def main(argv=None):
     report(result, wanted)
 
     failed = [n for n in wanted if "error" in result[n]]
-    failed += [n for n in ("ops_check", "grad_parity", "graph_parity", "context_parallel")
+    failed += [n for n in ("ops_check", "grad_parity", "graph_parity", "context_parallel", "decode")
                if n in wanted and result[n].get("all_ok") is False]  # fmt: skip
     print(f"[gpu_check] wrote {path}; {result['total_seconds']:.0f} s")
     print(f"[gpu_check] {'OK' if not failed else 'FAILED: ' + ', '.join(dict.fromkeys(failed))}")
