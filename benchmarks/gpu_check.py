@@ -35,7 +35,9 @@ to the JSON (rewritten after every section), so one failure never hides the othe
    weights, fp32): prefill of 1x128 and 8x128 prompts, then 16 KV-cached greedy steps, per variant
    (baseline, standard, S-LR r=64 and P-LR r=32 Block N=8), 3 rounds, eager (the Triton depth
    reads) and, when the section runs alone, compiled (``CompiledForward``: the step captured in a
-   CUDA graph, the reads fused by Inductor), each batch size stored as it is done;
+   CUDA graph, the reads fused by Inductor; first checked against eager through two caches,
+   ``benchmarks.decode.compiled_agreement``), each batch size stored as it is done;
+   ``GPU_CHECK_DECODE_VARIANTS`` / ``GPU_CHECK_DECODE_BATCHES`` choose a subset;
    ``decode_ratio`` / ``prefill_ratio``: over the same mode's baseline (median over rounds; the
    CPU bar is <= 1.05).
 9. ``peers``: ``benchmarks.peers``: each peer's fused read and ours, forward and forward +
