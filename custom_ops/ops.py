@@ -41,6 +41,7 @@ out given as its c sites' views, whose backward hands the c gradients to the ker
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -52,9 +53,25 @@ BACKENDS = ("reference", "compiled", "triton", "auto")
 # --------------------------------------------------------------------------- kernels per impl
 
 
+def compile_own(fn, **options):
+    """``torch.compile`` of a ``torch.no_grad``-decorated function, from the function's own code.
+    Dynamo keeps compiled graphs per code object, and the decorator's wrapper has one code object
+    for every decorated function: compiled as they are, ``read_fwd``, ``read_bwd`` and the rest
+    share one cache, and after its limit (8 graphs) every new function or shape runs uncompiled.
+    So the undecorated function is compiled and called under ``no_grad``."""
+    compiled = torch.compile(inspect.unwrap(fn), **options)
+
+    @functools.wraps(fn)
+    def call(*args):
+        with torch.no_grad():
+            return compiled(*args)
+
+    return call
+
+
 @functools.cache
 def _compiled(fn):
-    return torch.compile(fn, dynamic=False)
+    return compile_own(fn, dynamic=False)
 
 
 def _compiled_impl(name: str, device: torch.device, *args):

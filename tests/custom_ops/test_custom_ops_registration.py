@@ -182,3 +182,24 @@ def test_reference_backend_is_the_reference():
     values, keys, query = _inputs(False)
     got = custom_ops.depth_read(values, keys, query, backend="reference")
     assert torch.equal(got, reference.depth_read(values, keys, query))
+
+
+def test_compiled_composites_keep_caches_of_their_own():
+    """CUDA's ``compiled`` impl compiles each composite function from its own code: compiled
+    through the shared ``no_grad`` wrapper, the functions would fill one cache and every shape past
+    its limit would run uncompiled (here: 8 graphs against a limit of 5, which raises)."""
+    from custom_ops import composite
+    from custom_ops.ops import compile_own
+
+    fwd = compile_own(composite.read_fwd, backend="eager", dynamic=False)
+    bwd = compile_own(composite.read_bwd, backend="eager", dynamic=False)
+    limit = dict(recompile_limit=5, fail_on_recompile_limit_hit=True)
+    with torch._dynamo.config.patch(**limit):
+        for sources in (2, 3, 4, 5):
+            v = [torch.randn(2, 3, 16) for _ in range(sources)]
+            q = torch.randn(1, 4)
+            out, lse = fwd(v, None, q, EPS)
+            want = composite.read_fwd(v, None, q, EPS)
+            torch.testing.assert_close((out, lse), want, rtol=0, atol=0)
+            grads = bwd(v, None, q, lse, torch.randn_like(out), None, EPS)
+            assert len(grads[0]) == sources and not grads[0][0].requires_grad
