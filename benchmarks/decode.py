@@ -2,7 +2,7 @@
 
     python -m benchmarks.decode [--flavor cpu_small] [--prompt 256] [--new 32] [--batches 1,8]
         [--variants baseline,attnres4,sliced4_r32,projected4_r32,attnresfull] [--rounds 5]
-        [--modes compiled,eager] [--device cpu] [--json PATH]
+        [--prefills 3] [--modes compiled,eager] [--device cpu] [--json PATH]
 
 Every variant is the project's model at one flavor (so one checkpoint size; timing does not depend
 on the weights' values), its weights views of one shared set (``share_weights``), decoding
@@ -10,7 +10,8 @@ through ``titan_lrattnres.evaluation.generate``'s KV cache, greedy, in each mode
 (``CompiledForward``: the prefill and the one-token step each one Inductor graph with the reads
 fused in; on CPU the step's wrapper in C++, on CUDA the step in a CUDA graph) and
 ``eager`` (``forward_cached``). Per batch size B and mode a round prefills a ``B x prompt`` prompt
-for every variant, in an order that rotates from round to round, then decodes ``new`` tokens with
+for every variant (``--prefills`` times, each into a new cache; their median is the round's
+prefill time), in an order that rotates from round to round, then decodes ``new`` tokens with
 the variants taking single steps in turn. A step's ratio to the baseline is taken against the
 baseline's same step (milliseconds apart, so drifts of a shared machine cancel); a round's decode
 ratio is the median over its steps. Reported: the median over rounds with its 95 % bootstrap
@@ -117,22 +118,28 @@ class Decoder:
             self.compiled = CompiledForward(self.model)
         return self.compiled
 
-    def start(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
-        """Prefill ``prompt`` into a fresh cache with room for ``new`` more tokens; the run's
-        record (seconds, depth-state peak; the peaks are those of the eager path: a compiled
-        graph has no Python state). :meth:`decode` then takes one greedy step of it."""
+    def start(
+        self, prompt: torch.Tensor, new: int, device, mode: str = "eager", prefills: int = 1
+    ) -> dict:
+        """Prefill ``prompt`` into a fresh cache with room for ``new`` more tokens, ``prefills``
+        times (each into a new cache; the median time is the run's, the last cache is kept); the
+        run's record (seconds, depth-state peak; the peaks are those of the eager path: a
+        compiled graph has no Python state). :meth:`decode` then takes one greedy step of it."""
         from titan_lrattnres.evaluation.generate import KVCache
 
         step = self.step(mode)
         self.tracking = mode == "eager"
         b, t = prompt.shape
-        cache = KVCache(self.model, b, t + new, static=mode == "compiled")
-        self.peak = 0
-        _sync(device)
-        t0 = time.perf_counter()
-        logits = step(prompt, cache)
-        _sync(device)
-        run = {"prefill_s": time.perf_counter() - t0, "prefill_depth_state_bytes": self.peak}
+        seconds = []
+        for _ in range(prefills):
+            cache = KVCache(self.model, b, t + new, static=mode == "compiled")
+            self.peak = 0
+            _sync(device)
+            t0 = time.perf_counter()
+            logits = step(prompt, cache)
+            _sync(device)
+            seconds.append(time.perf_counter() - t0)
+        run = {"prefill_s": statistics.median(seconds), "prefill_depth_state_bytes": self.peak}
         self.peak = 0
         run.update(step_s=[], fn=step, cache=cache, device=device)
         run["next"], run["logits"] = logits[:, -1].argmax(-1, keepdim=True), logits
@@ -218,10 +225,12 @@ def measure(
     device="cpu",
     progress=print,
     on_result=None,
+    prefills: int = 3,
 ) -> dict:
     """``{mode: {batch: {variant: figures}}}``; ``variants`` must include ``"baseline"``. Modes
     run one after the other, each batch size in turn; ``on_result(mode, batch, rows)`` is called
-    as each is done (a caller under a time cap keeps what finished)."""
+    as each is done (a caller under a time cap keeps what finished). ``prefills``: timed
+    prefills per variant and round (a round's prefill time is their median)."""
     from titan_lrattnres.model.registry import FLAVORS
 
     if "baseline" not in variants:
@@ -232,6 +241,8 @@ def measure(
         raise ValueError(
             f"prompt + new = {prompt + new} > max_seq_len {FLAVORS[flavor].max_seq_len} of {flavor}"
         )
+    if prefills < 1:
+        raise ValueError(f"prefills must be >= 1, got {prefills}")
     unknown = set(modes) - set(MODES)
     if unknown or not modes:
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {list(modes)}")
@@ -256,7 +267,7 @@ def measure(
                 rotated = order[k:] + order[:k]
                 # every variant prefills, then decodes step by step in turn: a step's ratio
                 # compares steps taken milliseconds apart
-                live = {n: decoders[n].start(tokens, new, device, m) for n in rotated}
+                live = {n: decoders[n].start(tokens, new, device, m, prefills) for n in rotated}
                 for i in range(new):
                     for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
                         decoders[n].decode(live[n])
@@ -344,6 +355,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--prefills", type=int, default=3, help="timed prefills per variant and round")
     p.add_argument("--modes", default=",".join(MODES), help="compiled and / or eager")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", default=None, help="write the result here")
@@ -371,7 +383,7 @@ def main(argv=None) -> int:
         measure(
             a.flavor, variants=variants, prompt=a.prompt, new=a.new, batches=batches,
             rounds=a.rounds, modes=tuple(m for m in a.modes.split(",") if m), device=a.device,
-            on_result=save, progress=lambda m: print(m, flush=True),
+            on_result=save, progress=lambda m: print(m, flush=True), prefills=a.prefills,
         )  # fmt: skip
     except (ValueError, RuntimeError) as e:
         print(f"decode: {e}", file=sys.stderr)

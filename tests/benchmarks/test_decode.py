@@ -13,7 +13,7 @@ from benchmarks import decode
 def test_decode_benchmark_figures():
     res = decode.measure(
         "debug", variants=("baseline", "sliced2_r16", "projected2_r16"), prompt=16, new=3,
-        batches=(1, 2), rounds=1, modes=("eager",), progress=lambda _: None,
+        batches=(1, 2), rounds=1, modes=("eager",), progress=lambda _: None, prefills=2,
     )  # fmt: skip
     assert list(res) == ["eager"] and sorted(res["eager"]) == [1, 2]
     for b, rows in res["eager"].items():
@@ -82,3 +82,24 @@ def test_refusals():
     assert decode.main(["--variants", "baseline,nonsense"]) == 2
     with pytest.raises(ValueError, match="modes must be a non-empty subset"):
         decode.measure("debug", variants=("baseline",), modes=("jit",), rounds=1)
+    with pytest.raises(ValueError, match="prefills must be >= 1"):
+        decode.measure("debug", variants=("baseline",), prefills=0, rounds=1)
+
+
+def test_each_prefill_fills_a_new_cache():
+    """``prefills=3``: three timed prefills, each into its own cache; the run keeps the last,
+    holding the prompt once, and decodes from it."""
+    d = decode.Decoder("baseline", "debug", "cpu")
+    eager = d.step("eager")
+    caches = []
+
+    def step(tokens, cache):
+        caches.append(cache)
+        return eager(tokens, cache)
+
+    d.step = lambda mode: step
+    run = d.start(torch.zeros(1, 6, dtype=torch.long), 2, "cpu", "eager", prefills=3)
+    assert len(caches) == 3 and len({id(c) for c in caches}) == 3
+    assert run["cache"] is caches[-1] and run["cache"].length == 6
+    d.decode(run)
+    assert run["cache"].length == 7 and d.finish(run)["prefill_s"] > 0
