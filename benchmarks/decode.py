@@ -10,7 +10,8 @@ through ``titan_lrattnres.evaluation.generate``'s KV cache, greedy, in each mode
 (``CompiledForward``: the prefill and the one-token step each one Inductor graph with the reads
 fused in; on CPU the step's wrapper in C++, on CUDA the step in a CUDA graph) and
 ``eager`` (``forward_cached``). Per batch size B and mode a round prefills a ``B x prompt`` prompt
-for every variant (``--prefills`` times, each into a new cache; their median is the round's
+for every variant (``--prefills`` times, each into an empty cache: compiled, the one cache per
+size that ``CompiledForward`` keeps, as ``generate`` uses it; their median is the round's
 prefill time), in an order that rotates from round to round, then decodes ``new`` tokens with
 the variants taking single steps in turn. A step's ratio to the baseline is taken against the
 baseline's same step (milliseconds apart, so drifts of a shared machine cancel); a round's decode
@@ -121,8 +122,9 @@ class Decoder:
     def start(
         self, prompt: torch.Tensor, new: int, device, mode: str = "eager", prefills: int = 1
     ) -> dict:
-        """Prefill ``prompt`` into a fresh cache with room for ``new`` more tokens, ``prefills``
-        times (each into a new cache; the median time is the run's, the last cache is kept); the
+        """Prefill ``prompt`` into an empty cache with room for ``new`` more tokens, ``prefills``
+        times (eager: each into a new cache; compiled: into the ``CompiledForward``'s kept one,
+        emptied, as ``generate`` does; the median time is the run's, the last fill is kept); the
         run's record (seconds, depth-state peak; the peaks are those of the eager path: a
         compiled graph has no Python state). :meth:`decode` then takes one greedy step of it."""
         from titan_lrattnres.evaluation.generate import KVCache
@@ -132,7 +134,10 @@ class Decoder:
         b, t = prompt.shape
         seconds = []
         for _ in range(prefills):
-            cache = KVCache(self.model, b, t + new, static=mode == "compiled")
+            if mode == "compiled":
+                cache = self.compiled.cache(b, t + new)
+            else:
+                cache = KVCache(self.model, b, t + new)
             self.peak = 0
             _sync(device)
             t0 = time.perf_counter()

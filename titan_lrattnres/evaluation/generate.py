@@ -57,6 +57,13 @@ class KVCache:
                     for t in (self.k[j], self.v[j]):
                         torch._dynamo.mark_static_address(t, guard=False)
 
+    def reset(self) -> None:
+        """Empty, as new (rows zeroed), at the same addresses."""
+        for t in (*self.k.values(), *self.v.values()):
+            t.zero_()
+        self.length = 0
+        self.pos.fill_(0)
+
     def positions(self, t: int) -> torch.Tensor:
         """Positions ``[1, t]`` of the next ``t`` tokens."""
         start = self.pos if self.static else self.length
@@ -180,6 +187,19 @@ class CompiledForward:
             _own_code(_forward_cached), fullgraph=True, dynamic=False, options=options
         )
         self.prefill = torch.compile(_own_code(_forward_cached), fullgraph=True, dynamic=True)
+        self._caches: dict[tuple[int, int], KVCache] = {}
+
+    def cache(self, batch: int, max_len: int) -> KVCache:
+        """A static cache for ``batch`` rows of ``max_len`` tokens, emptied: one per size, kept
+        and reused by every ``generate`` call. On CUDA the step's graph is recorded on a
+        cache's memory; a new cache at new addresses would make CUDA-graph trees record and
+        keep one more graph per call, and check each step against all of them."""
+        cache = self._caches.get((batch, max_len))
+        if cache is None:
+            cache = self._caches[batch, max_len] = KVCache(self.model, batch, max_len, static=True)
+        else:
+            cache.reset()
+        return cache
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -249,7 +269,7 @@ def generate(
     cache = None
     if use_cache and compiled:  # lengths rounded up: similar lengths share one decode graph
         size = min(-(-total // STATIC_ROWS) * STATIC_ROWS, max_seq_len(model))
-        cache = KVCache(model, prompt.shape[0], size, static=True)
+        cache = compiled.cache(prompt.shape[0], size)
     elif use_cache:
         cache = KVCache(model, prompt.shape[0], total)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)

@@ -50,10 +50,27 @@ def test_compiled_decode_equals_eager_and_uncached():
     assert model.router.backend == "auto"  # the reads ran as the reference only inside
     # greedy tokens: compiled == uncached forward; every later step reuses the one decode graph
     first = gen.generate(model, prompt, 2, compiled=compiled)
+    kept = compiled.cache(2, gen.STATIC_ROWS)
     with torch._dynamo.config.patch(error_on_recompile=True):
         out = gen.generate(model, prompt, 10, compiled=compiled)
+    assert compiled.cache(2, gen.STATIC_ROWS) is kept  # both calls used it
     assert torch.equal(out[:, :7], first)
     assert torch.equal(out, gen.generate(model, prompt, 10, use_cache=False))
+
+
+def test_generate_reuses_one_static_cache_per_size():
+    """``CompiledForward.cache``: the same cache (same memory: a CUDA graph recorded on it
+    replays) for the same size, emptied; another size, another cache. The compiled test above
+    generates twice through it, tokens exact both times."""
+    model, _ = trained("sliced", 2, steps=0)
+    compiled = gen.CompiledForward(model)
+    cache = compiled.cache(2, 8)
+    gen.forward_cached(model, torch.ones(2, 3, dtype=torch.long), cache)
+    assert cache.length == 3 and any(bool(k.any()) for k in cache.k.values())
+    again = compiled.cache(2, 8)
+    assert again is cache and again.length == 0 and int(again.pos) == 0 and again.static
+    assert not any(bool(t.any()) for t in (*again.k.values(), *again.v.values()))
+    assert compiled.cache(1, 8) is not cache and compiled.cache(2, 16) is not cache
 
 
 def test_compiled_decode_refuses_what_it_cannot_run():
