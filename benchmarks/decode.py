@@ -134,8 +134,8 @@ class Decoder:
         b, t = prompt.shape
         seconds = []
         for _ in range(prefills):
-            if mode == "compiled":
-                cache = self.compiled.cache(b, t + new)
+            if mode == "compiled":  # step is the CompiledForward
+                cache = step.cache(b, t + new)
             else:
                 cache = KVCache(self.model, b, t + new)
             self.peak = 0
@@ -198,14 +198,14 @@ def compiled_agreement(flavor: str, variant: str, device, *, prompt: int = 8, ne
     for _ in range(2):  # another prompt: the second cache's contents differ from the first's
         eager = KVCache(d.model, 2, prompt + new)
         static = KVCache(d.model, 2, prompt + new, static=True)
-        step = torch.randint(0, FLAVORS[flavor].vocab_size, (2, prompt), generator=g).to(device)
+        tokens = torch.randint(0, FLAVORS[flavor].vocab_size, (2, prompt), generator=g).to(device)
         for _ in range(new + 1):
-            want = forward_cached(d.model, step, eager)
-            got = fn(step, static).clone()
+            want = forward_cached(d.model, tokens, eager)
+            got = fn(tokens, static).clone()
             out["max_abs_diff"].append((got - want).abs().max().item())
             nxt = want[:, -1].argmax(-1, keepdim=True)
             out["tokens_equal"] &= bool(torch.equal(got[:, -1].argmax(-1, keepdim=True), nxt))
-            step = nxt
+            tokens = nxt
     out["worst"] = max(out["max_abs_diff"])
     return out
 
