@@ -13,7 +13,9 @@ fused in; on CPU the step's wrapper in C++, on CUDA the step in a CUDA graph) an
 for every variant (``--prefills`` times, each into an empty cache: compiled, the one cache per
 size that ``CompiledForward`` keeps, as ``generate`` uses it; their median is the round's
 prefill time), in an order that rotates from round to round, then decodes ``new`` tokens with
-the variants taking single steps in turn. A step's ratio to the baseline is taken against the
+the variants taking single steps in turn. As in ``generate``'s loop, a round runs with Python's
+garbage collector paused (``gc_paused``; collected before it) and a compiled step after the
+first skips dynamo's guards (``guards=False``). A step's ratio to the baseline is taken against the
 baseline's same step (milliseconds apart, so drifts of a shared machine cancel); a round's decode
 ratio is the median over its steps. Reported: the median over rounds with its 95 % bootstrap
 interval (as ``benchmarks.overhead`` reports them) and range, for the prefill likewise.
@@ -28,6 +30,7 @@ per step only: nothing of it survives between decode steps.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -152,8 +155,11 @@ class Decoder:
 
     def decode(self, run: dict) -> None:
         """One greedy single-token step of ``run`` (timed, appended to its ``step_s``)."""
+        fn, guarded = run["fn"], {}
+        if self.compiled is not None and fn is self.compiled:  # as generate's loop does
+            guarded = {"guards": False}  # honoured from the second step on (it checks)
         t0 = time.perf_counter()
-        logits = run["fn"](run["next"], run["cache"])
+        logits = fn(run["next"], run["cache"], **guarded)
         run["next"] = logits[:, -1].argmax(-1, keepdim=True)
         _sync(run["device"])
         run["step_s"].append(time.perf_counter() - t0)
@@ -236,6 +242,7 @@ def measure(
     run one after the other, each batch size in turn; ``on_result(mode, batch, rows)`` is called
     as each is done (a caller under a time cap keeps what finished). ``prefills``: timed
     prefills per variant and round (a round's prefill time is their median)."""
+    from titan_lrattnres.evaluation.generate import gc_paused
     from titan_lrattnres.model.registry import FLAVORS
 
     if "baseline" not in variants:
@@ -270,12 +277,14 @@ def measure(
             for r in range(rounds):
                 k = r % len(order)
                 rotated = order[k:] + order[:k]
-                # every variant prefills, then decodes step by step in turn: a step's ratio
-                # compares steps taken milliseconds apart
-                live = {n: decoders[n].start(tokens, new, device, m, prefills) for n in rotated}
-                for i in range(new):
-                    for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
-                        decoders[n].decode(live[n])
+                gc.collect()  # the round runs with the collector off, as generate's loop does
+                with gc_paused():
+                    # every variant prefills, then decodes step by step in turn: a step's ratio
+                    # compares steps taken milliseconds apart
+                    live = {n: decoders[n].start(tokens, new, device, m, prefills) for n in rotated}
+                    for i in range(new):
+                        for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
+                            decoders[n].decode(live[n])
                 for n in rotated:
                     runs[n].append(decoders[n].finish(live[n]))
                 base = runs["baseline"][-1]

@@ -18,6 +18,8 @@ floating-point reductions in attention (tested: fp32 tolerance, identical greedy
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import itertools
 import types
 
@@ -188,6 +190,7 @@ class CompiledForward:
         )
         self.prefill = torch.compile(_own_code(_forward_cached), fullgraph=True, dynamic=True)
         self._caches: dict[tuple[int, int], KVCache] = {}
+        self._last_step = None  # (cache, tokens' shape / dtype / device) of the last guarded step
 
     def cache(self, batch: int, max_len: int) -> KVCache:
         """A static cache for ``batch`` rows of ``max_len`` tokens, emptied: one per size, kept
@@ -202,7 +205,16 @@ class CompiledForward:
         return cache
 
     @torch.no_grad()
-    def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, cache: KVCache, *, guards: bool = True):
+        """Logits of ``tokens`` at the cache's position; the cache grows by their count.
+
+        ``guards=False``: a loop's next one-token step, from a caller that changed nothing but
+        the tokens' values and the cache's contents since its last step (``generate`` and the
+        decode benchmark do so). Dynamo then skips its guards (a few tens of microseconds a
+        step at ``cpu_small``) and runs only the checks that tell its graphs apart. Honoured
+        only when this object's last step ran guarded on the same cache with tokens of the
+        same shape, dtype and device; any other call runs its guards (and compiles if needed).
+        """
         from titan_lrattnres.evaluation.inference import depth_backend
 
         if not cache.static:
@@ -210,14 +222,39 @@ class CompiledForward:
         t = tokens.shape[1]
         cache.reserve(t)
         fn = self.decode if t == 1 else self.prefill
+        key = (cache, tokens.shape, tokens.dtype, tokens.device)
+        trusted = not guards and t == 1 and self._last_step is not None
+        trusted = trusted and self._last_step[0] is cache and self._last_step[1:] == key[1:]
         if self.cuda_graphs and t == 1:
             # a new step: the previous step's logits (graph memory) may be overwritten now
             torch.compiler.cudagraph_mark_step_begin()
         # a decode graph per batch size (and cache length): room for many
         with depth_backend(self.model, "reference"), _dynamo_config.patch(recompile_limit=64):
-            logits = fn(self.model, tokens, cache)
+            if trusted:  # (set_stance takes effect when made, and undoes it on exit)
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    logits = fn(self.model, tokens, cache)
+            else:
+                logits = fn(self.model, tokens, cache)
+        self._last_step = key if t == 1 else None
         cache.advance(t)
         return logits
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector off for a decode loop, as it was before afterwards.
+    A step allocates a few hundred Python objects (dynamo's and the compiled wrapper's
+    argument lists), so the collector runs every few steps; with torch's object graph behind
+    it a collection costs up to a whole step at ``cpu_small`` (a tail of 1.5-2x steps).
+    Inference servers freeze or pause it the same way. Reference cycles made meanwhile are
+    collected once it is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None, generator=None):
@@ -265,7 +302,6 @@ def generate(
         compiled = CompiledForward(model)
     if compiled and (not use_cache or compiled.model is not model):
         raise ValueError("compiled decoding needs use_cache=True and a CompiledForward of model")
-    step = compiled or (lambda tokens, cache: forward_cached(model, tokens, cache))
     cache = None
     if use_cache and compiled:  # lengths rounded up: similar lengths share one decode graph
         size = min(-(-total // STATIC_ROWS) * STATIC_ROWS, max_seq_len(model))
@@ -274,15 +310,21 @@ def generate(
         cache = KVCache(model, prompt.shape[0], total)
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     new = prompt
-    for _ in range(max_new_tokens):
-        logits = step(new, cache) if use_cache else model(seq)
-        nxt = sample_next(logits[:, -1], temperature, top_k, g)
-        seq = torch.cat([seq, nxt], dim=1)
-        new = nxt
-        if eos_id is not None:
-            done |= nxt[:, 0] == eos_id
-            if bool(done.all()):
-                break
+    with gc_paused():
+        for i in range(max_new_tokens):
+            if not use_cache:
+                logits = model(seq)
+            elif compiled:  # the first one-token step runs guarded, the later ones need not
+                logits = compiled(new, cache, guards=i < 2)
+            else:
+                logits = forward_cached(model, new, cache)
+            nxt = sample_next(logits[:, -1], temperature, top_k, g)
+            seq = torch.cat([seq, nxt], dim=1)
+            new = nxt
+            if eos_id is not None:
+                done |= nxt[:, 0] == eos_id
+                if bool(done.all()):
+                    break
     return seq
 
 

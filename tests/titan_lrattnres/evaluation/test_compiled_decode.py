@@ -1,6 +1,9 @@
 """The compiled decode path (``generate.CompiledForward``): the same logits and greedy tokens as
 the eager cached path and the uncached forward, one graph for every decode step, clear errors."""
 
+import contextlib
+import gc
+
 import pytest
 import torch
 
@@ -101,3 +104,73 @@ def test_each_compiled_forward_gets_code_objects_of_its_own():
     assert len({id(plus.__code__), id(a.__code__), id(b.__code__)}) == 3
     assert a.__code__.co_code == plus.__code__.co_code
     assert a(1, 3) == plus(1, 3) == 4 and a(1) == 3
+
+
+def test_guards_are_skipped_only_after_a_guarded_step_of_the_same_shape(monkeypatch):
+    """``guards=False`` skips dynamo's guards (``set_stance(skip_guard_eval_unsafe=True)``)
+    only for a one-token step right after a guarded one on the same cache with tokens of the
+    same shape, dtype and device: a step that could need another graph runs its guards. The
+    graphs are the eager function here (what they compute is tested above); the logits match
+    the guarded path's."""
+    model, _ = trained("sliced", 2, steps=0)
+    compiled = gen.CompiledForward(model)
+    compiled.decode = compiled.prefill = gen._forward_cached
+    skipped = []
+
+    def stance(mode="default", *, skip_guard_eval_unsafe=False):
+        skipped.append(skip_guard_eval_unsafe)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.compiler, "set_stance", stance)
+
+    def step(tokens, cache, guards):
+        n = len(skipped)
+        logits = compiled(tokens, cache, guards=guards)
+        return logits, skipped[n:] == [True]
+
+    one = torch.ones(2, 1, dtype=torch.long)
+    cache, other = compiled.cache(2, 16), gen.KVCache(model, 2, 16, static=True)
+    eager = gen.KVCache(model, 2, 16)
+    assert not step(torch.ones(2, 3, dtype=torch.long), cache, False)[1]  # a prefill
+    gen.forward_cached(model, torch.ones(2, 3, dtype=torch.long), eager)
+    assert not step(one, cache, False)[1]  # the first step after it
+    assert not step(one, cache, True)[1]  # guards asked for
+    logits, trusted = step(one, cache, False)
+    assert trusted  # the same cache and tokens as the guarded step before
+    for _ in range(3):
+        want = gen.forward_cached(model, one, eager)
+    torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    assert not step(one, other, False)[1]  # another cache
+    assert not step(torch.ones(1, 1, dtype=torch.long), compiled.cache(1, 16), False)[1]
+    assert not step(one.int(), cache, False)[1]  # another dtype
+    assert step(one.int(), cache, False)[1]
+
+
+def test_gc_paused_restores_the_collector():
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), gen.gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gen.gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before: left off
+    finally:
+        gc.enable()
+
+
+def test_generate_decodes_with_the_collector_paused(monkeypatch):
+    """Each step runs with the collector off; it is back on afterwards."""
+    model, _ = trained("sliced", 2, steps=0)
+    seen = []
+    forward = gen.forward_cached
+
+    def recording(*args):
+        seen.append(gc.isenabled())
+        return forward(*args)
+
+    monkeypatch.setattr(gen, "forward_cached", recording)
+    gen.generate(model, torch.ones(1, 3, dtype=torch.long), 4)
+    assert seen == [False] * 4 and gc.isenabled()
