@@ -10,15 +10,16 @@ through ``titan_lrattnres.evaluation.generate``'s KV cache, greedy, in each mode
 (``CompiledForward``: the prefill and the one-token step each one Inductor graph with the reads
 fused in; on CPU the step's wrapper in C++, on CUDA the step in a CUDA graph) and
 ``eager`` (``forward_cached``). Per batch size B and mode a round prefills a ``B x prompt`` prompt
-for every variant (``--prefills`` times, each into an empty cache: compiled, the one cache per
-size that ``CompiledForward`` keeps, as ``generate`` uses it; their median is the round's
-prefill time), in an order that rotates from round to round, then decodes ``new`` tokens with
-the variants taking single steps in turn. As in ``generate``'s loop, a round runs with Python's
-garbage collector paused (``gc_paused``; collected before it) and a compiled step after the
-first skips dynamo's guards (``guards=False``). A step's ratio to the baseline is taken against the
-baseline's same step (milliseconds apart, so drifts of a shared machine cancel); a round's decode
-ratio is the median over its steps. Reported: the median over rounds with its 95 % bootstrap
-interval (as ``benchmarks.overhead`` reports them) and range, for the prefill likewise.
+for every variant, the variants taking turns, ``--prefills`` times (each into an empty cache:
+compiled, the one cache per size that ``CompiledForward`` keeps, as ``generate`` uses it; their
+median is the round's prefill time), in an order that rotates from round to round, then decodes
+``new`` tokens with the variants taking single steps in turn. As in ``generate``'s loop, a
+round runs with Python's garbage collector paused (``gc_paused``; collected before it) and a
+compiled step after the first skips dynamo's guards (``guards=False``). A step's ratio to the
+baseline is taken against the baseline's same step (milliseconds apart, so drifts of a shared
+machine cancel); a round's decode ratio is the median over its steps. Reported: the median over
+rounds with its 95 % bootstrap interval (as ``benchmarks.overhead`` reports them) and range, for
+the prefill likewise.
 Compilation happens in the warm-up and is reported apart (``warmup_s``).
 
 Memory (counted, not sampled): the KV cache (the same for every variant) and the peak bytes of the
@@ -122,12 +123,9 @@ class Decoder:
             self.compiled = CompiledForward(self.model)
         return self.compiled
 
-    def start(
-        self, prompt: torch.Tensor, new: int, device, mode: str = "eager", prefills: int = 1
-    ) -> dict:
-        """Prefill ``prompt`` into an empty cache with room for ``new`` more tokens, ``prefills``
-        times (eager: each into a new cache; compiled: into the ``CompiledForward``'s kept one,
-        emptied, as ``generate`` does; the median time is the run's, the last fill is kept); the
+    def start(self, prompt: torch.Tensor, new: int, device, mode: str = "eager") -> dict:
+        """Prefill ``prompt`` into an empty cache with room for ``new`` more tokens (eager: a new
+        cache; compiled: the ``CompiledForward``'s kept one, emptied, as ``generate`` does); the
         run's record (seconds, depth-state peak; the peaks are those of the eager path: a
         compiled graph has no Python state). :meth:`decode` then takes one greedy step of it."""
         from titan_lrattnres.evaluation.generate import KVCache
@@ -135,19 +133,16 @@ class Decoder:
         step = self.step(mode)
         self.tracking = mode == "eager"
         b, t = prompt.shape
-        seconds = []
-        for _ in range(prefills):
-            if mode == "compiled":  # step is the CompiledForward
-                cache = step.cache(b, t + new)
-            else:
-                cache = KVCache(self.model, b, t + new)
-            self.peak = 0
-            _sync(device)
-            t0 = time.perf_counter()
-            logits = step(prompt, cache)
-            _sync(device)
-            seconds.append(time.perf_counter() - t0)
-        run = {"prefill_s": statistics.median(seconds), "prefill_depth_state_bytes": self.peak}
+        if mode == "compiled":  # step is the CompiledForward
+            cache = step.cache(b, t + new)
+        else:
+            cache = KVCache(self.model, b, t + new)
+        self.peak = 0
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = step(prompt, cache)
+        _sync(device)
+        run = {"prefill_s": time.perf_counter() - t0, "prefill_depth_state_bytes": self.peak}
         self.peak = 0
         run.update(step_s=[], fn=step, cache=cache, device=device)
         run["next"], run["logits"] = logits[:, -1].argmax(-1, keepdim=True), logits
@@ -279,9 +274,16 @@ def measure(
                 rotated = order[k:] + order[:k]
                 gc.collect()  # the round runs with the collector off, as generate's loop does
                 with gc_paused():
-                    # every variant prefills, then decodes step by step in turn: a step's ratio
-                    # compares steps taken milliseconds apart
-                    live = {n: decoders[n].start(tokens, new, device, m, prefills) for n in rotated}
+                    # every variant prefills in turn, ``prefills`` times (the last fill kept),
+                    # then decodes step by step in turn: a ratio compares prefills, and steps,
+                    # taken milliseconds apart
+                    live, seconds = {}, {n: [] for n in rotated}
+                    for i in range(prefills):
+                        for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
+                            live[n] = decoders[n].start(tokens, new, device, m)
+                            seconds[n].append(live[n]["prefill_s"])
+                    for n in rotated:
+                        live[n]["prefill_s"] = statistics.median(seconds[n])
                     for i in range(new):
                         for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
                             decoders[n].decode(live[n])

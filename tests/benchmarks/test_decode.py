@@ -86,20 +86,25 @@ def test_refusals():
         decode.measure("debug", variants=("baseline",), prefills=0, rounds=1)
 
 
-def test_each_prefill_fills_a_new_cache():
-    """``prefills=3``: three timed prefills, each into its own cache; the run keeps the last,
-    holding the prompt once, and decodes from it."""
-    d = decode.Decoder("baseline", "debug", "cpu")
-    eager = d.step("eager")
-    caches = []
+def test_prefills_take_turns_each_into_a_new_cache(monkeypatch):
+    """``prefills=3``: in a round every variant prefills three times, the variants taking turns
+    (the order rotating), each fill into its own cache; the round decodes from each variant's
+    last fill, which holds the prompt once."""
+    calls = []
+    start = decode.Decoder.start
 
-    def step(tokens, cache):
-        caches.append(cache)
-        return eager(tokens, cache)
+    def recording(self, prompt, new, device, mode="eager"):
+        run = start(self, prompt, new, device, mode)
+        calls.append((self.model.router.variant, run["cache"]))
+        return run
 
-    d.step = lambda mode: step
-    run = d.start(torch.zeros(1, 6, dtype=torch.long), 2, "cpu", "eager", prefills=3)
-    assert len(caches) == 3 and len({id(c) for c in caches}) == 3
-    assert run["cache"] is caches[-1] and run["cache"].length == 6
-    d.decode(run)
-    assert run["cache"].length == 7 and d.finish(run)["prefill_s"] > 0
+    monkeypatch.setattr(decode.Decoder, "start", recording)
+    decode.measure(
+        "debug", variants=("baseline", "sliced2_r16"), prompt=6, new=2, batches=(1,), rounds=1,
+        modes=("eager",), progress=lambda _: None, prefills=3,
+    )  # fmt: skip
+    rounds = calls[2:]  # after one warm-up run per variant
+    order = [v for v, _ in rounds]
+    assert order == ["baseline", "sliced", "sliced", "baseline", "baseline", "sliced"]
+    assert len({id(c) for _, c in rounds}) == 6
+    assert [c.length for _, c in rounds] == [6, 6, 6, 6, 8, 8]  # the last fills decoded 2 steps
