@@ -150,11 +150,11 @@ class Decoder:
 
     def decode(self, run: dict) -> None:
         """One greedy single-token step of ``run`` (timed, appended to its ``step_s``)."""
-        fn, guarded = run["fn"], {}
+        fn, options = run["fn"], {}
         if self.compiled is not None and fn is self.compiled:  # as generate's loop does
-            guarded = {"guards": False}  # honoured from the second step on (it checks)
+            options = {"guards": False}  # honoured from the second step on (it checks)
         t0 = time.perf_counter()
-        logits = fn(run["next"], run["cache"], **guarded)
+        logits = fn(run["next"], run["cache"], **options)
         run["next"] = logits[:, -1].argmax(-1, keepdim=True)
         _sync(run["device"])
         run["step_s"].append(time.perf_counter() - t0)
