@@ -151,7 +151,7 @@ class Decoder:
     def decode(self, run: dict) -> None:
         """One greedy single-token step of ``run`` (timed, appended to its ``step_s``)."""
         fn, options = run["fn"], {}
-        if self.compiled is not None and fn is self.compiled:  # as generate's loop does
+        if fn is self.compiled:  # as generate's loop does
             options = {"guards": False}  # honoured from the second step on (it checks)
         t0 = time.perf_counter()
         logits = fn(run["next"], run["cache"], **options)
@@ -270,8 +270,7 @@ def measure(
             runs = {n: [] for n in variants}
             order = list(variants)
             for r in range(rounds):
-                k = r % len(order)
-                rotated = order[k:] + order[:k]
+                rotated = _turn(order, r)
                 gc.collect()  # the round runs with the collector off, as generate's loop does
                 with gc_paused():
                     # every variant prefills in turn, ``prefills`` times (the last fill kept),
@@ -279,13 +278,13 @@ def measure(
                     # taken milliseconds apart
                     live, seconds = {}, {n: [] for n in rotated}
                     for i in range(prefills):
-                        for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
+                        for n in _turn(rotated, i):
                             live[n] = decoders[n].start(tokens, new, device, m)
                             seconds[n].append(live[n]["prefill_s"])
                     for n in rotated:
                         live[n]["prefill_s"] = statistics.median(seconds[n])
                     for i in range(new):
-                        for n in rotated[i % len(rotated) :] + rotated[: i % len(rotated)]:
+                        for n in _turn(rotated, i):
                             decoders[n].decode(live[n])
                 for n in rotated:
                     runs[n].append(decoders[n].finish(live[n]))
@@ -310,6 +309,12 @@ def measure(
             if on_result is not None:
                 on_result(m, b, out[m][b])
     return out
+
+
+def _turn(names: list[str], i: int) -> list[str]:
+    """``names`` rotated left by ``i``: turn ``i``'s order."""
+    k = i % len(names)
+    return names[k:] + names[:k]
 
 
 def _scaled(n: int | None, unit: int) -> float | None:
