@@ -41,7 +41,11 @@ from benchmarks.ops import _sync
 
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
+# ``torchtitan``: torchtitan's own decoder (``Llama3Model``) of the same shape, built from the
+# baseline's attention, MLP, norm, embedding and head configs, compiled per TransformerBlock
+# (attention and MLP with the residual adds inside one graph): what a user would otherwise run.
 VARIANTS = {
+    "torchtitan": ("torchtitan", None, 0),
     "baseline": ("baseline", None, 0),
     "block8": ("attnres", 8, 0),
     "sliced8_r64": ("sliced", 8, 64),
@@ -66,6 +70,7 @@ def parse_variant(name: str) -> tuple[str, int | None, int]:
 
 
 DEFAULT_VARIANTS = tuple(VARIANTS)
+AC_MODES = ("none", "selective", "full")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -84,15 +89,44 @@ class Shape:
         return self.hidden or -(-11 * self.dim // 4 // 64) * 64
 
 
-def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: int = 0, attn=None):
-    """The project's model for variant ``name``, weights from ``seed``, sublayers compiled;
-    attention ``attn`` (default: SDPA on CPU, FlexAttention on GPU)."""
+def torchtitan_decoder_config(config):
+    """torchtitan's ``Llama3Model`` config with the layers, norms, embedding and head of the
+    project's baseline ``config``: one ``Llama3TransformerBlock`` per attention + MLP pair."""
+    from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
+
+    pairs = zip(config.layers[0::2], config.layers[1::2], strict=True)
+    layers = [
+        Llama3TransformerBlock.Config(
+            attention=a.attention, feed_forward=f.feed_forward, attention_norm=a.norm,
+            ffn_norm=f.norm,
+        )
+        for a, f in pairs
+    ]  # fmt: skip
+    return Llama3Model.Config(
+        dim=config.dim, vocab_size=config.vocab_size, lm_head=config.lm_head,
+        tok_embeddings=config.tok_embeddings, norm=config.norm, layers=layers,
+    )  # fmt: skip
+
+
+def build(
+    name: str, shape: Shape, device, dtype, compile_: bool = True, seed: int = 0, attn=None,
+    ac: str = "none",
+):  # fmt: skip
+    """The model for variant ``name`` (the project's, or torchtitan's decoder of the same
+    shape), weights from ``seed``, activation checkpointing ``ac`` as torchtitan applies it to
+    each entry of ``model.layers``, those entries compiled; attention ``attn`` (default: SDPA
+    on CPU, FlexAttention on GPU)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
+    from benchmarks.memory import apply_ac
     from titan_lrattnres.model.registry import Flavor, build_model_config
 
+    if ac not in AC_MODES:
+        raise ValueError(f"ac must be one of {', '.join(AC_MODES)}, got {ac!r}")
     variant, blocks, rank = parse_variant(name)
+    titan = variant == "torchtitan"
+    variant = "baseline" if titan else variant
     flavor = Flavor(
         dim=shape.dim,
         n_layers=shape.layers,
@@ -107,14 +141,17 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
     config = build_model_config(
         flavor, variant=variant, blocks=blocks, rank=min(rank or 64, shape.dim), attn_backend=attn
     )
-    model = config.build()
+    config.router.recompute_reads = ac != "none"  # as the model config does under the trainer
+    model = (torchtitan_decoder_config(config) if titan else config).build()
     model.to(device=device)
     model.init_states(buffer_device=torch.device(device))
     for pname, param in model.named_parameters():  # not the buffers: RoPE's are complex
         if not pname.startswith("router.query_"):  # fp32 queries, as in mixed precision
             param.data = param.data.to(dtype)
     model.train()
+    apply_ac(model, ac)
     if compile_:
+        _own_graphs(model)
 
         class _Dims:  # the one attribute apply_compile reads from ParallelDims
             tp_enabled = False
@@ -125,6 +162,21 @@ def build(name: str, shape: Shape, device, dtype, compile_: bool = True, seed: i
             parallel_dims=_Dims,
         )
     return model
+
+
+def _own_graphs(model) -> None:
+    """Give ``model.layers``' compiled units a forward with a code object of their own. Dynamo
+    keeps graphs per code object and walks their guards on every call: the variants built in
+    one process would otherwise share one list of graphs (the slowest for the first built) and
+    its recompile limit, where a training run has its one model's graphs."""
+    from titan_lrattnres.evaluation.generate import _own_code
+
+    classes = {}
+    for unit in model.layers.values():
+        cls = type(unit)
+        if cls not in classes:
+            classes[cls] = type(cls.__name__, (cls,), {"forward": _own_code(cls.forward)})
+        unit.__class__ = classes[cls]
 
 
 def attention_kwargs(model, tokens) -> dict:
@@ -233,7 +285,14 @@ def summarize(times: dict[str, list[float]], variants, shape: Shape) -> dict:
     for name in variants:
         pct = [100 * (t / b - 1) for t, b in zip(times[name], times["baseline"], strict=True)]
         lo, hi = median_interval(pct)
+        titan = {}
+        if "torchtitan" in times:  # the same ratios against torchtitan's own decoder
+            tt = [100 * (t / b - 1) for t, b in zip(times[name], times["torchtitan"], strict=True)]
+            titan = {"overhead_vs_torchtitan_pct": tt,
+                     "median_overhead_vs_torchtitan_pct": statistics.median(tt),
+                     "ci95_overhead_vs_torchtitan_pct": list(median_interval(tt))}  # fmt: skip
         result[name] = {
+            **titan,
             "variant": parse_variant(name),
             "step_s": times[name],
             "median_step_s": statistics.median(times[name]),
@@ -268,6 +327,7 @@ def measure(
     optimizer: bool = False,
     cuda_graphs: bool = False,
     compile_: bool = True,
+    ac: str = "none",
     progress=print,
 ) -> dict:
     """``summarize`` of the timed rounds, plus ``"_machine_noise"``: ``noise`` of the fixed
@@ -282,7 +342,7 @@ def measure(
     steps = {}
     for name in variants:
         t0 = time.perf_counter()
-        model = build(name, shape, device, dtype, compile_)
+        model = build(name, shape, device, dtype, compile_, ac=ac)
         step = Step(model, tokens, targets, optimizer, cuda_graphs)
         for _ in range(warmup):
             loss = step()
@@ -303,7 +363,9 @@ def measure(
         base = times["baseline"][-1]
         progress(
             f"  round {r + 1}/{rounds}: "
-            + " ".join(f"{n} {100 * (times[n][-1] / base - 1):+.1f}%" for n in variants[1:])
+            + " ".join(
+                f"{n} {100 * (times[n][-1] / base - 1):+.1f}%" for n in variants if n != "baseline"
+            )
             + f" (fixed workload {probe_s[-1]:.3f} s)"
         )
     return {**summarize(times, variants, shape), "_machine_noise": noise(probe_s)}
@@ -312,7 +374,8 @@ def measure(
 def table(result: dict) -> str:
     lines = [
         f"{'variant':<16}{'(variant, blocks, r)':<26}{'median step s':>14}{'overhead':>10}"
-        f"{'95% interval':>18}{'range':>18}{'rounds for +-2':>15}{'tokens/s':>11}",
+        f"{'95% interval':>18}{'range':>18}{'rounds for +-2':>15}{'tokens/s':>11}"
+        f"{'vs torchtitan':>15}{'95% interval':>18}",
     ]
     for name, r in result.items():
         if name.startswith("_"):
@@ -325,6 +388,14 @@ def table(result: dict) -> str:
             f"{r['median_overhead_pct']:>+9.1f}%"
             f"{ci:>18}{span:>18}{'-' if need is None else need:>15}"
             f"{r['tokens_per_s']:>11.0f}"
+            + (
+                f"{r['median_overhead_vs_torchtitan_pct']:>+14.1f}%"
+                + "{:>18}".format(
+                    "[{:+.1f}, {:+.1f}]".format(*r["ci95_overhead_vs_torchtitan_pct"])
+                )
+                if "median_overhead_vs_torchtitan_pct" in r
+                else ""
+            )
         )
     m = result.get("_machine_noise")
     if m is not None:
@@ -337,7 +408,7 @@ def table(result: dict) -> str:
 
 
 _SAME = ("layers", "dim", "seq", "heads", "batch", "vocab", "hidden", "device", "dtype",
-         "optimizer", "cuda_graphs", "no_compile", "system_malloc")  # fmt: skip
+         "optimizer", "cuda_graphs", "no_compile", "system_malloc", "ac")  # fmt: skip
 
 
 def rescore(paths: list[str]) -> dict:
@@ -378,6 +449,11 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=9)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--optimizer", action="store_true", help="include an AdamW step")
+    p.add_argument(
+        "--ac", choices=AC_MODES, default="none",
+        help="activation checkpointing of every sublayer (torchtitan's block), as torchtitan "
+        "applies it; the paper's configs train with selective",
+    )  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true", help="capture the step (CUDA only)")
     p.add_argument("--no-compile", action="store_true", help="eager sublayers (debugging)")
     p.add_argument(
@@ -414,7 +490,8 @@ def main(argv=None) -> int:
     print(
         f"overhead: L={shape.layers} d={shape.dim} T={shape.seq} B={shape.batch} heads="
         f"{shape.heads} hidden={shape.hidden_dim} vocab={shape.vocab} {a.dtype} on {a.device}, "
-        f"{a.rounds} rounds, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"AC {a.ac}, {a.rounds} rounds, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, "
         f"freed memory kept mapped: {kept}"
     )
     try:
@@ -428,6 +505,7 @@ def main(argv=None) -> int:
             optimizer=a.optimizer,
             cuda_graphs=a.cuda_graphs,
             compile_=not a.no_compile,
+            ac=a.ac,
         )
     except (ValueError, RuntimeError) as e:
         print(f"overhead: {e}", file=sys.stderr)

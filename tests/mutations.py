@@ -45,22 +45,25 @@ REF, C, TRITON = (
     "custom_ops/cpu/depth_read.c",
     "custom_ops/kernels/merge.py",
 )
-PARTIAL = "        i = t - first\n        return custom_ops.merge_partial("
+PARTIAL = "        return merge_partial(h, lse1, partial,"
+FINISH = "        return custom_ops.merge_partial(h, lse1, partial,"
+STEP = "h, read = self.router.step(state, j, out)"
 
 # name -> [(file, old, new)]; each old text must occur exactly once in its file
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "drop the partial": [
         (DEPTH, "if state.partial is not None:\n            values", "if 0:\n            values"),
-        (DEPTH, PARTIAL, PARTIAL.replace("return ", "return out[i] if True else ")),
+        (MODEL, PARTIAL, PARTIAL.replace("return ", "return h.to(partial.dtype) if 1 else ")),
+        (DEPTH, FINISH, FINISH.replace("return ", "return h.to(partial.dtype) if 1 else ")),
     ],
     "addition instead of replacement": [
-        (MODEL, "h = self.router.step(state, j,", "h = h + self.router.step(state, j,"),
+        (MODEL, STEP, STEP + "; h = h + (out[0] if isinstance(out, tuple) else out)"),
     ],
     "wrong block end (floor)": [
         (
             SCHED,
-            "return [-(-num_sublayers * i // num_blocks)",
-            "return [(num_sublayers * i // num_blocks)",
+            "return [-(-num_sublayers * i // n)",
+            "return [(num_sublayers * i // n)",
         ),
     ],
     "key norm eps 1e-5": [
@@ -74,10 +77,14 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "missing key norm (C kernel)": [
-        (C, "float rstd = (float)(1.0 / sqrt(ss / (double)r + eps));", "float rstd = 1.0f;"),
+        (
+            C,
+            "float rstd = (float)(1.0 / sqrt(sumsq(k, r) / (double)r + eps));",
+            "float rstd = 1.0f;",
+        ),
     ],
     "P-LR key not normalised at emission": [
-        (MODEL, "return o, key_rmsnorm(k, self.key_eps)", "return o, k.float()"),
+        (MODEL, "k = key_rmsnorm(k, self.key_eps)", "k = k.float()"),
     ],
     "S-LR head instead of tail": [
         (

@@ -82,7 +82,7 @@ def capture_routing(model, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tor
         alphas.append(torch.softmax(logits, dim=0))
 
     h = model.run_depth(
-        model.tok_embeddings(tokens), lambda j, layer, x: layer(x, None, None), on_read
+        model.tok_embeddings(tokens), lambda j, layer, h, read: layer(h, None, None, read), on_read
     )
     return model.lm_head(model.norm(h)), alphas
 

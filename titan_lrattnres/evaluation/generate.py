@@ -124,21 +124,22 @@ def _attention_cached(attn, x, cache: KVCache, j: int, positions: torch.Tensor):
     return attn.wo(out.transpose(1, 2).contiguous().flatten(2))
 
 
-def _sublayer_cached(layer, h, cache: KVCache, j: int, positions: torch.Tensor):
-    """``Sublayer.forward`` with attention over the KV cache (same post-processing)."""
+def _sublayer_cached(layer, h, read, cache: KVCache, j: int, positions: torch.Tensor):
+    """``Sublayer.forward`` with attention over the KV cache (same pre- and post-processing)."""
+    h = layer.read_input(h, read)
     x = layer.norm(h)
     if layer.attention is not None:
         y = _attention_cached(layer.attention, x, cache, j, positions)
     else:
         y = layer.feed_forward(x)
-    return layer.emit(y)
+    return layer.write(h, y, read)
 
 
 def _forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     positions = cache.positions(tokens.shape[1])
     h = model.run_depth(
         model.tok_embeddings(tokens),
-        lambda j, layer, x: _sublayer_cached(layer, x, cache, j, positions),
+        lambda j, layer, h, read: _sublayer_cached(layer, h, read, cache, j, positions),
     )
     return model.lm_head(model.norm(h))
 

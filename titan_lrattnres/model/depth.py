@@ -1,13 +1,16 @@
 """The depth router: read sites, source bookkeeping and the query bank (docs/method.md §1-4, §7).
 
 Design: the transformer's 2L sublayers are the units that torchtitan compiles, checkpoints and
-shards (``model.layers``); every depth read runs between them in the root forward, so each
-compiled graph has one fixed signature (one graph per sublayer kind, no recompiles) and the read
-can be a hand-fused op. The query of read site t is the root parameter ``router.query_<t>``
-(``[r]``, fp32 master weights; t = 1..2L), gathered once per step by the root FSDP unit: one
-parameter per site, so a pipeline stage owns exactly the queries of its own sites and a
-checkpoint written by any split keeps every one (``titan_lrattnres.parallel.pipeline``; checkpoints
-with the earlier ``router.query_bank [2L, r]`` convert with ``titan_lrattnres.components.convert``).
+shards (``model.layers``); the router runs between them in the root forward and hands each
+sublayer its input in one of two fixed forms, so each compiled graph keeps one signature per
+form (no recompiles): ``h`` itself, or a phase-1 read with the rest of its phase-2 merge, which
+the sublayer finishes inside its own graph, where Inductor fuses it with the partial's update
+and the next RMSNorm (``Sublayer.read_input`` / ``write``). The query of read site t is the root
+parameter ``router.query_<t>`` (``[r]``, fp32 master weights; t = 1..2L), gathered once per step
+by the root FSDP unit: one parameter per site, so a pipeline stage owns exactly the queries of
+its own sites and a checkpoint written by any split keeps every one
+(``titan_lrattnres.parallel.pipeline``; checkpoints with the earlier ``router.query_bank [2L, r]``
+convert with ``titan_lrattnres.components.convert``).
 
 Bookkeeping per sequence (``DepthState``): the embedding and its key, the completed sources
 (block sums, or single outputs for Full), and the running partial of the current block, which
@@ -17,8 +20,9 @@ Two read paths give the same numbers (tested):
 - ``reference``: one pass per site over all its sources, ``custom_ops.reference.depth_read``, each
   completed source's key normalised once per forward (what compiled decoding traces);
 - fused (``compiled`` / ``triton`` / ``auto``): at each block end one batched phase-1 read of the
-  completed sources for every site of the coming block, then per site the exact LSE merge with
-  the partial (phase 2).
+  completed sources for every site of the coming block (one op), then per site the exact LSE
+  merge with the partial (phase 2), run by the sublayer that reads it (on plain tensors; under
+  tensor parallel or the SPMD type checker the merge op, between the sublayers).
 
 With activation checkpointing (``recompute_reads``, set by the model config) each read is
 recomputed in the backward instead (:class:`_RecomputedRead`): it keeps only its inputs -- the
@@ -70,6 +74,7 @@ class DepthState:
     phase1: tuple | None = None  # (per-site outs [..., d], per-site lses, first site)
     normed: list[torch.Tensor] = field(default_factory=list)  # reference: RMSNorm'd keys, in order
     running: torch.Tensor | None = None  # baseline residual stream
+    handed_partial: bool = False  # the last read handed to a sublayer brought the partial
     last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
 
 
@@ -145,6 +150,13 @@ warnings.filterwarnings(
 )
 
 
+def _merge_in_sublayer(query: torch.Tensor) -> bool:
+    """Whether a phase-2 merge may run inside the sublayer that reads it: on plain tensors
+    outside any torch-function mode. Tensor parallel (DTensor) and the SPMD type checker (a
+    mode) keep the merge op, whose sharding rules they know."""
+    return type(query) in (torch.Tensor, nn.Parameter) and not torch._C._len_torch_function_stack()
+
+
 class DepthRouter(Module):
     """Owns the routing parameters and performs every read site's read."""
 
@@ -211,24 +223,39 @@ class DepthRouter(Module):
             return contextlib.nullcontext()
         return saved_tensors_hooks(*_pack_unless(h))
 
-    def step(self, state: DepthState, j: int, out) -> torch.Tensor:
-        """Sublayer j (1-based) wrote ``out``; return ``h_j``, the read of site j."""
+    def step(self, state: DepthState, j: int, out) -> tuple[torch.Tensor, tuple | None]:
+        """Sublayer j (1-based) wrote ``out`` (``Sublayer.write``); return site j's read as the
+        next sublayer's input ``(h, read)``: ``h_j`` and None, or the phase-1 read and the rest
+        of its merge, which that sublayer finishes (:meth:`finish` does it elsewhere)."""
         if self.variant == "baseline":
-            state.running = state.running + out
-            return state.running
+            state.running = out  # the sublayer added its input
+            return out, None
         o, k = out if self.projected else (out, None)
-        state.partial = o if state.partial is None else state.partial + o
-        if k is not None:  # block key = sum of emission-normalised member keys
-            state.partial_key = k if state.partial_key is None else state.partial_key + k
+        if state.handed_partial or state.partial is None:  # out is the new partial already
+            state.partial, state.partial_key = o, k
+        else:  # block key = sum of emission-normalised member keys
+            state.partial = state.partial + o
+            if k is not None:
+                state.partial_key = state.partial_key + k
+        state.handed_partial = False
         if j in self._end_set:
             state.values.append(state.partial)
             state.keys.append(state.partial_key)
             state.partial, state.partial_key = None, None
         if self.recompute_reads:
-            return self._recomputed_read(state, j)
+            return self._recomputed_read(state, j), None
         if self.backend == "reference":
-            return self._read_normalised_once(state, j)
+            return self._read_normalised_once(state, j), None
         return self._read_two_phase(state, j)
+
+    def finish(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
+        """``h`` of a :meth:`step` result that no sublayer consumes (the final read, a pipeline
+        stage's last): the merge ``read`` brings, run here."""
+        if read is None:
+            return h
+        lse1, partial, partial_key, query, backend = read
+        return custom_ops.merge_partial(h, lse1, partial, partial_key, query, self.eps,
+                                        backend=backend)  # fmt: skip
 
     def query(self, t: int) -> torch.Tensor:
         return getattr(self, query_name(t))
@@ -286,19 +313,23 @@ class DepthRouter(Module):
         )
         state.phase1 = (out, lse.unbind(0), first)
 
-    def _read_two_phase(self, state: DepthState, t: int) -> torch.Tensor:
+    def _read_two_phase(self, state: DepthState, t: int) -> tuple[torch.Tensor, tuple | None]:
         if state.partial is None:  # t is a block end: completed sources only
             self._phase1(state, t)
             out, _, first = state.phase1
             assert first == t
-            return out[0].to(state.embedding.dtype)
+            return out[0].to(state.embedding.dtype), None
         partial_key = state.partial_key if self.projected else None
         out, lse, first = state.phase1
         i = t - first
-        return custom_ops.merge_partial(
-            out[i], lse[i], state.partial, partial_key, self.query(t), self.eps,
-            backend=self.backend,
-        )  # fmt: skip
+        query = self.query(t)
+        if not _merge_in_sublayer(query):
+            h = custom_ops.merge_partial(
+                out[i], lse[i], state.partial, partial_key, query, self.eps, backend=self.backend
+            )
+            return h, None
+        state.handed_partial = True
+        return out[i], (lse[i], state.partial, partial_key, query, self.backend)
 
     def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
         """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead`; the state notes

@@ -25,6 +25,7 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 
+from custom_ops.api import merge_partial
 from custom_ops.reference import key_rmsnorm
 from titan_lrattnres.model.depth import DepthRouter
 from titan_lrattnres.model.flops import routing_flops
@@ -34,7 +35,16 @@ class Sublayer(Module):
     """One residual-writing sublayer j: ``o_j = F_j(RMSNorm(h_{j-1}))``.
 
     For the projected variant the output projection has d + r rows, one weight ``[W^O; W^K]``;
-    the sublayer returns ``(o_j, RMSNorm(k_j))`` with the key normalised at emission (fp32).
+    ``o_j`` comes with ``RMSNorm(k_j)``, the key normalised at emission (fp32).
+
+    What goes in and out, so that the depth machinery between two sublayers runs inside this
+    sublayer's compiled graph (docs/performance.md):
+
+    - ``read`` None: ``h`` is ``h_{j-1}``. Else ``h`` is site j-1's phase-1 read ``out1`` (fp32)
+      and ``read = (lse1, partial, partial_key, query, backend)`` the rest of its phase-2 merge
+      (:meth:`read_input`): h_{j-1} is made here, where the compiler fuses it with the norm.
+    - returns ``h_{j-1} + o_j`` for the plain residual (``residual``); ``partial + o_j`` (and
+      ``partial_key + k_j``) when ``read`` brought the running partial; else ``o_j`` (and k_j).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -45,6 +55,7 @@ class Sublayer(Module):
         feed_forward: FeedForward.Config | None = None
         key_rank: int = 0  # r extra output rows (projected); 0 = none
         key_eps: float | None = None
+        residual: bool = False  # the baseline: the sublayer adds its input to its output
 
     def __init__(self, config: Config):
         super().__init__()
@@ -53,15 +64,8 @@ class Sublayer(Module):
         self.dim = config.dim
         self.key_rank = config.key_rank
         self.key_eps = config.key_eps
+        self.residual = config.residual
         self.norm = config.norm.build()
-        if self.key_rank:
-            # o_j is a column slice of the [W^O; W^K] product (row stride d + r). By default
-            # AOTAutograd expects each tangent in its output's strides, and copies o_j's
-            # (contiguous) gradient into a fresh [.., d + r]-strided buffer before every compiled
-            # backward: one [B, T, d] copy per sublayer (L=24 d=1024 T=512: 48 a step, ~8 ms on
-            # 2 CPU cores). Tangents in their outputs' memory format (contiguous) skip it; the
-            # backward graphs are otherwise the same. Process-wide, like float8's inductor flag.
-            torch._functorch.config.guess_tangent_strides_as_outputs = False
         self.attention = config.attention.build() if config.attention is not None else None
         self.feed_forward = config.feed_forward.build() if config.feed_forward is not None else None
 
@@ -70,20 +74,43 @@ class Sublayer(Module):
         h: torch.Tensor,
         attention_masks: AttentionMasksType | None,
         positions: torch.Tensor | None = None,
+        read: tuple | None = None,
     ):
+        h = self.read_input(h, read)
         x = self.norm(h)
         if self.attention is not None:
             y = self.attention(x, attention_masks, positions)
         else:
             y = self.feed_forward(x)
-        return self.emit(y)
+        return self.write(h, y, read)
 
-    def emit(self, y: torch.Tensor):
-        """The output projection's result ``[..., d (+ r)]`` -> ``o`` or ``(o, RMSNorm(k))``."""
-        if not self.key_rank:
-            return y
-        o, k = y.split([self.dim, self.key_rank], dim=-1)
-        return o, key_rmsnorm(k, self.key_eps)
+    def read_input(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
+        """``h_{j-1}``: ``h`` itself, or the phase-2 merge of the phase-1 read ``h`` with the
+        partial that ``read`` brings. Traced by torch.compile it is the reference's maths, which
+        Inductor fuses with the norm that follows; eager, the ``backend``'s merge op."""
+        if read is None:
+            return h
+        lse1, partial, partial_key, query, backend = read
+        if torch.compiler.is_compiling():
+            backend = "reference"
+        return merge_partial(h, lse1, partial, partial_key, query, self.key_eps, backend=backend)
+
+    def write(self, h: torch.Tensor, y: torch.Tensor, read: tuple | None = None):
+        """What the sublayer hands on, from its input ``h`` and its output projection's result
+        ``y [..., d (+ r)]`` (see the class docstring). Always contiguous: a compiled backward
+        then gets its tangent in the layout it expects (a column slice of ``[W^O; W^K]`` would
+        make AOTAutograd copy every incoming gradient into that slice's strides)."""
+        if self.residual:
+            return h + y
+        k = None
+        if self.key_rank:
+            y, k = y.split([self.dim, self.key_rank], dim=-1)
+            k = key_rmsnorm(k, self.key_eps)
+        if read is not None and read[1] is not None:
+            y, k = read[1] + y, None if k is None else read[2] + k
+        else:
+            y = y.contiguous()
+        return y if k is None else (y, k)
 
 
 # Logit of a padded vocabulary row: finite (0 * mask = 0 in entropy-style sums, where -inf would
@@ -187,17 +214,18 @@ class LRAttnResModel(Decoder):
 
     def run_depth(self, embedding: torch.Tensor, sublayer_fn, on_read=None) -> torch.Tensor:
         """The depth loop: site 0 is the embedding; sublayer j writes ``sublayer_fn(j, layer,
-        h_{j-1})`` and site j reads. ``on_read(j, state)`` sees every site's sources. Shared by
+        h, read)`` (``Sublayer.forward``'s input: h_{j-1}, or its read to finish) and site j
+        reads. ``on_read(j, state)`` sees every site's sources. Shared by
         ``forward``, cached decoding and the routing analysis. Returns ``h_M``."""
         state = self.router.start(embedding)
-        h = embedding
+        h, read = embedding, None
         for j, layer in enumerate(self.layers.values(), start=1):
             with self.router.recompute_input(state):  # with AC: h rebuilt, not kept
-                out = sublayer_fn(j, layer, h)
-            h = self.router.step(state, j, out)
+                out = sublayer_fn(j, layer, h, read)
+            h, read = self.router.step(state, j, out)
             if on_read is not None:
                 on_read(j, state)
-        return h
+        return self.router.finish(h, read)
 
     def forward(
         self,
@@ -207,7 +235,7 @@ class LRAttnResModel(Decoder):
     ):
         h = self.run_depth(
             self.tok_embeddings(tokens),
-            lambda j, layer, x: layer(x, attention_masks, positions),
+            lambda j, layer, h, read: layer(h, attention_masks, positions, read),
         )
         h = self.norm(h)
         if self._skip_lm_head:

@@ -133,6 +133,7 @@ def build_model_config(
         return RMSNorm.Config(normalized_shape=d, elementwise_affine=False)
 
     rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=flavor.max_seq_len, theta=500000.0)
+    sublayer = dict(key_rank=key_rank, key_eps=eps, residual=variant == "baseline")
     layers = []
     for _ in range(n_layers):
         attention = make_gqa_config(
@@ -153,12 +154,8 @@ def build_model_config(
             ffn.w2 = Linear.Config(
                 in_features=flavor.hidden_dim, out_features=d + key_rank, param_init=_INIT
             )
-        layers.append(
-            Sublayer.Config(dim=d, norm=norm(), attention=attention, key_rank=key_rank, key_eps=eps)
-        )
-        layers.append(
-            Sublayer.Config(dim=d, norm=norm(), feed_forward=ffn, key_rank=key_rank, key_eps=eps)
-        )
+        layers.append(Sublayer.Config(dim=d, norm=norm(), attention=attention, **sublayer))
+        layers.append(Sublayer.Config(dim=d, norm=norm(), feed_forward=ffn, **sublayer))
     router = DepthRouter.Config(
         variant=variant,
         dim=d,

@@ -120,10 +120,12 @@ class LRAttnResStage(LRAttnResModel):
             h = state.embedding
         else:
             h, state = self._receive(inputs)
+        read = None
         for key, layer in self.layers.items():
             with router.recompute_input(state):  # with AC: h rebuilt in the backward, not kept
-                out = layer(h, attention_masks, positions)
-            h = router.step(state, int(key) + 1, out)
+                out = layer(h, attention_masks, positions, read)
+            h, read = router.step(state, int(key) + 1, out)
+        h = router.finish(h, read)
         if plan.send is None:
             h = self.norm(h)
             return h if self._skip_lm_head else self.lm_head(h)

@@ -58,3 +58,52 @@ def test_phase1_runs_once_per_block(build, monkeypatch):
     model(torch.randint(0, 4096, (1, 8)))
     # completion points: site 0 and the 8 block ends (the last one for the final read only)
     assert len(calls) == 9
+
+
+def _compiled(model, backend: str):
+    from torchtitan.config import CompileConfig
+    from torchtitan.distributed.compile import apply_compile
+
+    class _Dims:  # the one attribute apply_compile reads from ParallelDims
+        tp_enabled = False
+
+    apply_compile(model, compile_config=CompileConfig(enable=True, backend=backend),
+                  parallel_dims=_Dims)  # fmt: skip
+    return model
+
+
+@pytest.mark.parametrize(
+    "variant,blocks,compiler",
+    [("sliced", 4, "aot_eager"), ("projected", 3, "aot_eager"), ("attnres", 8, "aot_eager"),
+     ("sliced", 4, "inductor")],
+)  # fmt: skip
+def test_merges_inside_compiled_sublayers_match_reference(build, variant, blocks, compiler):
+    """The compiled path: each merge traced as the reference's maths inside the sublayer that
+    reads it (Inductor: fused there), the loss and every gradient those of the reference."""
+    torch._dynamo.reset()
+    kw = dict(variant=variant, blocks=blocks, rank=16)
+    ref = build("deep_debug", depth_backend="reference", **kw)
+    fused = _compiled(build("deep_debug", depth_backend="auto", **kw), compiler)
+    fused.load_state_dict(ref.state_dict())
+    reads, step = [], fused.router.step
+
+    def recording_step(*args):  # what the router hands the next sublayer
+        h, read = step(*args)
+        reads.append(read is not None)
+        return h, read
+
+    fused.router.step = recording_step
+    tokens = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for model in (ref, fused):
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        losses.append(loss)
+    torch._dynamo.reset()
+    # every site inside a block (a partial to merge) is finished by the sublayer reading it
+    ends = set(fused.router.ends)
+    assert reads == [t not in ends for t in range(1, 49)]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -49,8 +49,10 @@ def test_24_layers_compile_without_breaks_or_recompiles(build, variant, blocks, 
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
     assert counters["stats"]["unique_graphs"] >= 1  # the counters do see the compiled units
     assert counters["graph_break"] == {}, dict(counters["graph_break"])
-    # one graph per sublayer kind (attention, MLP), shared by all 48 sublayers
-    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    # one graph per sublayer kind (attention, MLP) and input form (h, or a phase-1 read the
+    # sublayer merges itself: Block's fused backends), shared by all 48 sublayers
+    forms = 2 if blocks is not None and backend != "reference" else 1
+    assert counters["stats"]["unique_graphs"] <= 2 * forms, dict(counters["stats"])
     assert counters["stats"]["unique_graphs"] <= limit
     assert not counters["recompiles"], dict(counters["recompiles"])
     grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -75,22 +77,17 @@ def _tangent_copies(model, tokens) -> int:
 
 
 def test_projected_gradients_reach_compiled_backward_without_a_copy(build):
-    """o_j is a strided slice of the [W^O; W^K] product; its gradient must enter the compiled
-    backward as it comes (the premise, asserted: with AOTAutograd's default, one copy each).
-    torch's config.patch, not monkeypatch: with monkeypatch the entry was left hidden for every
-    later test in the process ("... enable_autograd_cache does not exist")."""
+    """The [W^O; W^K] product's o_j is a strided column slice; the sublayer hands on a contiguous
+    tensor, so its gradient enters the compiled backward as it comes under AOTAutograd's own
+    default, and building the model changes no process-wide setting."""
     functorch_config = torch._functorch.config
     tokens = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
-    counts = []
-    for default in (True, False):
-        model = build("debug", variant="projected", blocks=None, rank=16, depth_backend="auto")
-        # the model sets the flag on build; the first pass puts AOTAutograd's default back
-        flags = {"guess_tangent_strides_as_outputs": True} if default else {}
-        with functorch_config.patch(enable_autograd_cache=False, **flags):
+    with functorch_config.patch(enable_autograd_cache=False, guess_tangent_strides_as_outputs=True):
+        for blocks in (None, 2):
+            model = build("debug", variant="projected", blocks=blocks, rank=16)
+            assert functorch_config.guess_tangent_strides_as_outputs
             cfg = CompileConfig(enable=True, backend="aot_eager")
             apply_compile(model, compile_config=cfg, parallel_dims=_Dims)
             model(tokens).float().logsumexp(-1).mean().backward()  # compile
-            counts.append(_tangent_copies(model, tokens))
-        torch._dynamo.reset()
-    assert counts[0] == len(model.layers), counts
-    assert counts[1] == 0, counts
+            assert _tangent_copies(model, tokens) == 0
+            torch._dynamo.reset()

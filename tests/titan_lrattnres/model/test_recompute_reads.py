@@ -60,9 +60,10 @@ def _h_storages(model) -> list[StorageWeakRef]:
     seen, step = [], model.router.step
 
     def recording_step(*args):
-        h = step(*args)
+        h, read = step(*args)
+        assert read is None  # with AC every read is made by the router, none in a sublayer
         seen.append(StorageWeakRef(h.untyped_storage()))
-        return h
+        return h, read
 
     model.router.step = recording_step
     return seen
