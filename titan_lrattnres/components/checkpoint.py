@@ -9,6 +9,11 @@ subclass built from its config (``checkpoint=LRAttnResCheckpointManager.Config(.
 - **No save after a non-finite loss**: the trainer hands over each step's finiteness
   (``loss_finite``); a save that would follow a NaN/inf loss raises :class:`NonFiniteLossError`
   instead, naming the last good checkpoint.
+- **Write faults in one line**: a save that fails for want of space or permission raises
+  :class:`~titan_lrattnres.components.faults.WriteFaultError` naming the folder and the last
+  complete checkpoint (the interrupted one stays marked unfinished).
+- **A save now** (:meth:`~LRAttnResCheckpointManager.save_now`): a full synchronous save of any
+  step, for preemption (:mod:`titan_lrattnres.components.preemption`).
 
 All of it runs inside torchtitan's own save and load (``dcp_save``, ``dcp_load``, ``load``),
 so its decisions (when to save, what, async or not, HF format) stay torchtitan's.
@@ -26,7 +31,7 @@ from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
-from titan_lrattnres.components import convert, integrity
+from titan_lrattnres.components import convert, faults, integrity
 from titan_lrattnres.training import torchtitan_internals as internals
 
 
@@ -90,15 +95,16 @@ class LRAttnResCheckpointManager(CheckpointManager):
         """torchtitan's DCP save, refused after a non-finite loss, recorded once complete."""
         self._refuse_nonfinite_loss()
         self.wait_and_record()
-        if self.checksums:
-            integrity.begin(checkpoint_id)
-        result = super().dcp_save(
-            state_dict,
-            checkpoint_id,
-            async_mode,
-            enable_garbage_collection=enable_garbage_collection,
-            to_hf=to_hf,
-        )
+        with faults.writing("checkpoint", checkpoint_id, self._last_complete):
+            if self.checksums:
+                integrity.begin(checkpoint_id)
+            result = super().dcp_save(
+                state_dict,
+                checkpoint_id,
+                async_mode,
+                enable_garbage_collection=enable_garbage_collection,
+                to_hf=to_hf,
+            )
         self.last_saved = checkpoint_id
         if self.checksums:
             self._unrecorded = checkpoint_id
@@ -111,12 +117,33 @@ class LRAttnResCheckpointManager(CheckpointManager):
         for meanwhile: older checkpoints never go before the newer one is complete. Every rank
         calls it (the record is a collective)."""
         if self._unrecorded is not None:
-            self.maybe_wait_for_saving()
-            integrity.record(self._unrecorded)
-            self._unrecorded = None
+            pending, self._unrecorded = self._unrecorded, None  # a failed save stays unrecorded
+            with faults.writing("checkpoint", pending, self._last_complete):
+                self.maybe_wait_for_saving()
+                integrity.record(pending)
         if self._purge_due:
             self._purge_due = False
             internals.purge_stale_checkpoints(self)
+
+    def _last_complete(self) -> str | None:
+        return newest_checkpoint(self.folder)
+
+    def save_now(self, step: int) -> str | None:
+        """A full checkpoint of ``step``, synchronous, through torchtitan's own save (as if the
+        interval were 1 and async off for this call); a save under way is finished and recorded
+        first. Returns its folder (already there when the interval saved this step), or None
+        when nothing can be saved (``load_only``). Every rank calls it."""
+        self.wait_and_record()
+        path = filesystem.join(self.folder, f"step-{step}")
+        if self.last_saved == path:
+            return path
+        interval, mode = self.interval, self.async_mode
+        self.interval, self.async_mode = 1, AsyncMode.DISABLED
+        try:
+            saved = self.save(step)
+        finally:
+            self.interval, self.async_mode = interval, mode
+        return path if saved else None
 
     def _purge_stale_checkpoints(self) -> None:
         # torchtitan's hook right after each interval save (torchtitan_internals)

@@ -63,11 +63,15 @@ def write_json(path: Path, body: dict, indent: int = 1) -> None:
     ``os.replace``, fsync of the folder): a reader sees the old file or the new, never a part."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=indent, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(body, f, indent=indent, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no partial file behind
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself
@@ -79,11 +83,31 @@ def _write(folder: Path, body: dict) -> None:
     write_json(folder / RECORD, {"format": FORMAT, "version": VERSION, **body})
 
 
+def _share_outcome(write) -> None:
+    """``write()`` on rank 0; its ``OSError``, if any, raised on every rank (a collective when a
+    process group is up): no rank goes on into a collective save that rank 0 has left."""
+    failure = None
+    if rank() == 0:
+        try:
+            write()
+        except OSError as e:
+            failure = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [failure]
+        dist.broadcast_object_list(box, src=0)
+        failure = box[0]
+    if failure is not None:
+        raise failure
+
+
 def begin(folder: str | Path) -> None:
     """Before a save (every rank calls it; rank 0 writes): mark ``folder`` as being saved."""
-    if rank() == 0:
+
+    def write():
         Path(folder).mkdir(parents=True, exist_ok=True)
         _write(Path(folder), {"complete": False, "algorithm": ALGORITHM, "files": {}})
+
+    _share_outcome(write)
 
 
 def record(folder: str | Path) -> None:
@@ -94,11 +118,12 @@ def record(folder: str | Path) -> None:
     if distributed:
         dist.broadcast_object_list(names, src=0)
     digests = _digests(folder, names[0], distributed)
-    if rank() == 0:
+
+    def write():
         files = {n: {"size": (folder / n).stat().st_size, ALGORITHM: digests[n]} for n in names[0]}
         _write(folder, {"complete": True, "algorithm": ALGORITHM, "files": files})
-    if distributed:
-        dist.barrier()
+
+    _share_outcome(write)  # every rank waits for the record, as a barrier would
 
 
 def _files(folder: Path) -> list[str]:

@@ -100,14 +100,23 @@ def plot_loss(trainer, path: str, title: str, unigram_entropy: float | None = No
     plt.close(fig)
 
 
-def write_summary(trainer) -> dict:
+def write_summary(trainer, last_checkpoint: str | None = None) -> dict:
+    """``summary.json``, ``loss_history.json`` and ``loss.png``; a write that fails for want of
+    space or permission raises ``WriteFaultError`` in one line naming ``last_checkpoint``."""
+    from titan_lrattnres.components.faults import writing
+
     folder = trainer.config.dump_folder
-    os.makedirs(folder, exist_ok=True)
     summary = build_summary(trainer)
-    with open(os.path.join(folder, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    with open(os.path.join(folder, "loss_history.json"), "w") as f:
-        json.dump(trainer.history, f)
+    paths = {k: os.path.join(folder, k) for k in ("summary.json", "loss_history.json", "loss.png")}
+    with writing("the run folder", folder, last_checkpoint, resume=False):
+        os.makedirs(folder, exist_ok=True)
+    with writing("the run summary", paths["summary.json"], last_checkpoint, resume=False):
+        with open(paths["summary.json"], "w") as f:
+            json.dump(summary, f, indent=2)
+    with writing("the loss history", paths["loss_history.json"], last_checkpoint, resume=False):
+        with open(paths["loss_history.json"], "w") as f:
+            json.dump(trainer.history, f)
     title = f"{summary['config'] or summary['flavor']} ({summary['variant']})"
-    plot_loss(trainer, os.path.join(folder, "loss.png"), title, summary.get("unigram_entropy"))
+    with writing("the loss plot", paths["loss.png"], last_checkpoint, resume=False):
+        plot_loss(trainer, paths["loss.png"], title, summary.get("unigram_entropy"))
     return summary

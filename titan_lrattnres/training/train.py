@@ -4,8 +4,9 @@ Equivalent to ``torchrun ... -m torchtitan.train --module titan_lrattnres --conf
 (it also works under torchrun), plus: the CPU patches are installed before torchtitan is
 imported, the embedded corpus and tokenizer are built when missing, and bad inputs (an unknown
 config or dataset, a missing tokenizer, a corpus shorter than one sequence, a checkpoint from
-another model, a damaged or unsafe checkpoint, a NaN loss) stop with one clear line instead of a
-traceback.
+another model, a damaged or unsafe checkpoint, a NaN loss, a disk that is full or read-only) stop
+with one clear line instead of a traceback. A preempted run (SIGTERM, ``--preemption.signal``)
+saves its step and exits with ``preemption.EXIT_CODE`` (75).
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def preflight(config) -> None:
         raise UsageError("--checkpoint.create_seed_checkpoint needs --checkpoint.enable")
     if config.checkpoint.create_seed_checkpoint and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("create the seed checkpoint in one process (it must not be sharded)")
+    from titan_lrattnres.components import preemption
+
+    try:
+        preemption.signals_of(config.preemption)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if config.preemption.grace_seconds <= 0:
+        raise UsageError("--preemption.grace_seconds must be positive")
     loaders = [("--dataloader.dataset", config.dataloader)]
     if config.validator.enable:
         loaders.append(("--validator.dataloader.dataset", config.validator.dataloader))
@@ -210,7 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     from titan_lrattnres.components.checkpoint import NonFiniteLossError
     from titan_lrattnres.components.convert import OldLayoutError
     from titan_lrattnres.components.data import CorpusError
+    from titan_lrattnres.components.faults import WriteFaultError
     from titan_lrattnres.components.integrity import CheckpointIntegrityError
+    from titan_lrattnres.components.preemption import Preempted
     from titan_lrattnres.training.trainer import CheckpointMismatchError
 
     init_logger()
@@ -230,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         _single_process_env()
         run(config)
         _report(config)
+    except Preempted as e:  # its line is in the log already
+        return e.code
     except (
         UsageError,
         CorpusError,
@@ -237,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         CheckpointIntegrityError,
         NonFiniteLossError,
         OldLayoutError,
+        WriteFaultError,
     ) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1

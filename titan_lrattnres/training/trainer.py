@@ -1,5 +1,8 @@
 """torchtitan's Trainer with what our runs add: a model fingerprint beside the checkpoints,
-a stop with one clear error on a non-finite loss, and a run summary (JSON + loss curve).
+a stop with one clear error on a non-finite loss, preemption (a signal saves the step and exits,
+:mod:`titan_lrattnres.components.preemption`), a warning before the first save when the disk
+has no room for a checkpoint, write faults in one line (:mod:`titan_lrattnres.components.faults`)
+and a run summary (JSON + loss curve).
 
 ``LRAttnResTrainer.Config`` is a ``Trainer.Config``; ``config.build()`` builds this trainer, so
 ``python -m torchtitan.train --module titan_lrattnres --config NAME`` gets the same behaviour.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,9 +27,17 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
-from titan_lrattnres.components import integrity
-from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
+from titan_lrattnres.components import faults, integrity
+from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager, newest_checkpoint
 from titan_lrattnres.components.metrics import RunMetricsProcessor, last_stage_loss
+from titan_lrattnres.components.preemption import (
+    EXIT_CODE,
+    MARKER,
+    Preempted,
+    PreemptionConfig,
+    PreemptionHandler,
+    signals_of,
+)
 
 FINGERPRINT_FILE = "model_fingerprint.json"
 
@@ -105,8 +116,14 @@ class LRAttnResTrainer(Trainer):
         run_name: str = ""
         """Name of the experiment (the config function); recorded in summary.json."""
 
+        preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+        """Save and exit on SIGTERM (``--preemption.*``; on whenever checkpointing is)."""
+
     checkpointer: LRAttnResCheckpointManager
     metrics_processor: RunMetricsProcessor
+    _preemption: PreemptionHandler | None = None
+    _first_step: int | None = None  # the step this process started from
+    _space_checked = False  # the free-space check after this process's first step
 
     def __init__(self, config: Config):
         self._t0 = time.perf_counter()
@@ -161,6 +178,17 @@ class LRAttnResTrainer(Trainer):
                 raise
             raise self.checkpointer.nonfinite_loss_error(self.step) from e
         self.checkpointer.loss_finite = self._loss_finite
+        if not self._space_checked:  # the optimiser state exists now: a checkpoint's size is known
+            self._space_checked = True
+            self._warn_if_no_room()
+
+    def _warn_if_no_room(self) -> None:
+        ckpt = self.checkpointer
+        if not (ckpt.enable and ckpt.checksums) or self.config.checkpoint.load_only:
+            return
+        need = faults.checkpoint_bytes(self.model_parts, self.optimizers)  # every rank
+        if integrity.rank() == 0 and (line := faults.low_space_warning(ckpt.folder, need)):
+            logger.warning(line)
 
     # --- checkpoints: the fingerprint --------------------------------------------------------
 
@@ -187,12 +215,88 @@ class LRAttnResTrainer(Trainer):
             os.makedirs(folder, exist_ok=True)
             integrity.write_json(Path(folder) / FINGERPRINT_FILE, self._fingerprint(), indent=2)
 
+    # --- preemption ------------------------------------------------------------------------
+
+    def _install_preemption(self) -> None:
+        config = self.config
+        ckpt = config.checkpoint
+        if not (config.preemption.enable and ckpt.enable and not ckpt.load_only):
+            return
+        handler = PreemptionHandler(
+            signals_of(config.preemption),
+            config.preemption.grace_seconds,
+            self._expired_line,
+        )
+        if handler.install():
+            self._preemption = handler
+            if integrity.rank() == 0:
+                names = ", ".join(s.name for s in handler.signals)
+                logger.info(f"preemption: {names} save the step and exit {EXIT_CODE}")
+
+    def _expired_line(self, phase: str) -> str | None:
+        if integrity.rank() != 0:
+            return None
+        last = newest_checkpoint(self.checkpointer.folder)
+        keep = f"the last complete checkpoint is {last}" if last else "no checkpoint is complete"
+        return (
+            f"preempted at step {self.step}: {phase} did not finish within "
+            f"{self.config.preemption.grace_seconds:g} s of the signal; exiting without it; "
+            f"{keep}; rerun the same command to resume"
+        )
+
+    def should_continue_training(self) -> bool:
+        """torchtitan asks before each step: here all ranks also agree whether to stop for a
+        preemption signal (one collective), and then save and exit."""
+        if self._first_step is None:
+            self._first_step = self.step
+        handler = self._preemption
+        if handler is not None and self.step < self.config.training.steps and handler.requested():
+            self._preempt(handler)
+        return super().should_continue_training()
+
+    def _preempt(self, handler: PreemptionHandler) -> None:
+        step, ckpt, rank0 = self.step, self.checkpointer, integrity.rank() == 0
+        if rank0:
+            logger.warning(
+                f"{handler.describe()} received: step {step} has finished; saving it (a second "
+                "signal aborts at once)"
+            )
+        if step > self._first_step:
+            handler.phase = f"the save of {ckpt.folder}/step-{step}"
+            path = ckpt.save_now(step)
+            done = f"saved {path}" if path else "nothing saved (--checkpoint.load_only)"
+        else:
+            path = newest_checkpoint(ckpt.folder)
+            done = f"no step since {path}" if path else "no step trained, nothing to save"
+        handler.finish()
+        message = f"preempted at step {step}: {done}; rerun the same command to resume"
+        if rank0:
+            marker = Path(self.config.dump_folder) / MARKER
+            body = {"step": step, "checkpoint": path, "signal": handler.describe()}
+            with faults.writing("the preemption marker", marker, path):
+                integrity.write_json(marker, body, indent=2)
+            logger.warning(message)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank exits before the line and the marker are out
+        ckpt.close()  # queued purges finish before the process ends
+        raise Preempted(message)
+
     def train(self):
+        if integrity.rank() == 0:  # a rerun: the last run's preemption is over
+            (Path(self.config.dump_folder) / MARKER).unlink(missing_ok=True)
         if self.config.checkpoint.enable:
-            self._write_fingerprint()
-        super().train()
+            last = lambda: newest_checkpoint(self.checkpointer.folder)  # noqa: E731
+            with faults.writing("the model fingerprint into", self.checkpointer.folder, last):
+                self._write_fingerprint()
+        self._install_preemption()
+        try:
+            super().train()
+        finally:
+            if self._preemption is not None:
+                self._preemption.uninstall()
         self.checkpointer.wait_and_record()  # an async last interval save
         if integrity.rank() == 0:
             from titan_lrattnres.training.summary import write_summary
 
-            write_summary(self)
+            last = newest_checkpoint(self.checkpointer.folder) if self.checkpointer.enable else None
+            write_summary(self, last)

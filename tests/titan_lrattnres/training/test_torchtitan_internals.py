@@ -106,6 +106,16 @@ def test_torchtitan_still_calls_the_hooks_we_extend():
         assert "self._initialize_pp_stages(" in inspect.getsource(initialize)
 
 
+def test_a_save_now_is_torchtitans_save_with_interval_one_and_no_async():
+    """``LRAttnResCheckpointManager.save_now`` sets ``interval`` and ``async_mode`` for one
+    ``save``: torchtitan must still decide by them; and the trainer's preemption check is the
+    loop's ``should_continue_training``, asked before each step."""
+    should = inspect.getsource(CheckpointManager._should_save)
+    assert "curr_step % self.interval == 0" in should
+    assert "self.async_mode == AsyncMode.ASYNC" in inspect.getsource(CheckpointManager._save)
+    assert "while self.should_continue_training():" in inspect.getsource(Trainer.train)
+
+
 def test_skip_lm_head_is_set_by_the_trainer_and_read_by_the_model():
     assert Decoder._skip_lm_head is False
     assert "._skip_lm_head = True" in inspect.getsource(Trainer.__init__)
