@@ -24,12 +24,14 @@ Two read paths give the same numbers (tested):
   merge with the partial (phase 2), run by the sublayer that reads it (on plain tensors; under
   tensor parallel or the SPMD type checker the merge op, between the sublayers).
 
-With activation checkpointing (``recompute_reads``, set by the model config) each read is
-recomputed in the backward instead (:class:`_RecomputedRead`): it keeps only its inputs -- the
-completed sources and the partial, kept anyway as later reads' inputs --, and the sublayer that
-reads it keeps no copy of its output either (:meth:`DepthRouter.recompute_input`): that
-sublayer's backward rebuilds it from those inputs, so the read runs in effect inside the
-sublayer's checkpointed region while the compiled sublayer keeps its one fixed signature.
+With activation checkpointing (``recompute_reads``, set by the model config) the reads are
+recomputed in the backward instead (:class:`_RecomputedRead`), keeping only their inputs -- the
+completed sources and the partial, kept anyway as later reads' inputs --, and the sublayers
+reading them keep no copy of what they made (:meth:`DepthRouter.recompute_input`): a sublayer's
+backward rebuilds it from those inputs. Block source sets on the fused backends recompute per
+block: each block's phase-1 read once (the first of its sites' backwards rebuilds it for all of
+them), the merges inside the sublayers' checkpointed graphs. Full and the reference backend
+recompute per site: each site's whole read.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
@@ -76,12 +79,14 @@ class DepthState:
     running: torch.Tensor | None = None  # baseline residual stream
     handed_partial: bool = False  # the last read handed to a sublayer brought the partial
     last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
+    recomputed: list | None = None  # recompute_reads per block: phase 1's (out, lse), recomputed
+    per_block: bool | None = None  # recompute_reads: per block (else per site); set on first use
 
 
 class _RecomputedRead(torch.autograd.Function):
-    """``h = read(*inputs)`` keeping only the inputs for the backward, which runs the read again
-    with autograd on, or takes the graph :meth:`rebuild` already made for the sublayer reading h
-    (one recomputation serves both)."""
+    """``read(*inputs)`` (one tensor, or a tuple of them) keeping only the inputs for the
+    backward, which runs the read again with autograd on, or takes the graph :meth:`rebuild`
+    already made for the sublayers reading its outputs (one recomputation serves all)."""
 
     @staticmethod
     def forward(ctx, read, *inputs):
@@ -90,9 +95,9 @@ class _RecomputedRead(torch.autograd.Function):
         return read(*inputs)
 
     @staticmethod
-    def rebuild(ctx) -> torch.Tensor:
+    def rebuild(ctx):
         """The read run again on detached copies of its inputs, kept on ``ctx`` until its
-        backward; returns h."""
+        backward; returns its output(s)."""
         if ctx.graph is None:
             needs = ctx.needs_input_grad[1:]
             leaves = [x.detach().requires_grad_(n) for x, n in zip(ctx.saved_tensors, needs)]
@@ -101,40 +106,57 @@ class _RecomputedRead(torch.autograd.Function):
         return ctx.graph[1]
 
     @staticmethod
-    def backward(ctx, grad):
-        h = _RecomputedRead.rebuild(ctx)
+    def backward(ctx, *grads):
+        outs = _RecomputedRead.rebuild(ctx)
         leaves, ctx.graph = ctx.graph[0], None
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
         needs = ctx.needs_input_grad[1:]
-        grads = iter(torch.autograd.grad(h, [x for x, n in zip(leaves, needs) if n], grad))
-        return None, *(next(grads) if n else None for n in needs)
+        wanted = [x for x, n in zip(leaves, needs) if n]
+        if not pairs:
+            return None, *(None for _ in needs)
+        found = torch.autograd.grad(
+            [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+        )
+        found = iter(found)
+        return None, *(next(found) if n else None for n in needs)
 
 
 class _Rebuild:
-    """What a sublayer saves in place of its input h: the node of the read that made it."""
+    """What a sublayer saves in place of a tensor a recomputed read made: the read's node, which
+    of its outputs, and the layout of the view saved."""
 
-    __slots__ = ("node",)
+    __slots__ = ("node", "index", "layout")
 
-    def __init__(self, node):
-        self.node = node
+    def __init__(self, node, index: int | None, layout: tuple):
+        self.node, self.index, self.layout = node, index, layout
 
 
-def _pack_unless(h: torch.Tensor):
-    """saved-tensor hooks that save h, or an alias of it (FSDP2 hands a module its inputs through
-    an autograd function, as new tensors on the same storage), as a :class:`_Rebuild` and every
-    other tensor as it is. They hold no reference to h (the graph keeps the hooks of every tensor
-    saved under them); h lives while they are on, so its storage is not reused meanwhile."""
-    storage, node = StorageWeakRef(h.untyped_storage()), h.grad_fn
-    layout = (h.shape, h.stride(), h.storage_offset(), h.dtype)
+def _layout(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.storage_offset()
+
+
+def _pack_rebuilt(outputs: list[tuple[torch.Tensor, int | None]]):
+    """saved-tensor hooks that save any view of the ``(tensor, output index)`` of a
+    :class:`_RecomputedRead` (FSDP2 hands a module its inputs through an autograd function, as
+    new tensors on the same storage; a block's sites read views of its phase-1 output) as a
+    :class:`_Rebuild`, and every other tensor as it is. They hold no reference to the outputs
+    (the graph keeps the hooks of every tensor saved under them); the outputs live while the
+    hooks are on, so their storage is not reused meanwhile."""
+    known = [(StorageWeakRef(t.untyped_storage()), t.grad_fn, i, t.dtype) for t, i in outputs]
 
     def pack(t):
-        if (t.shape, t.stride(), t.storage_offset(), t.dtype) == layout:
-            if StorageWeakRef(t.untyped_storage()) == storage:
-                return _Rebuild(node)
+        storage = StorageWeakRef(t.untyped_storage())
+        for s, node, index, dtype in known:
+            if storage == s and t.dtype == dtype:
+                return _Rebuild(node, index, _layout(t))
         return t
 
     def unpack(saved):
         if isinstance(saved, _Rebuild):
-            return _RecomputedRead.rebuild(saved.node).detach()
+            out = _RecomputedRead.rebuild(saved.node)
+            out = out if saved.index is None else out[saved.index]
+            return out.detach().as_strided(*saved.layout)
         return saved
 
     return pack, unpack
@@ -151,10 +173,10 @@ warnings.filterwarnings(
 
 
 def _merge_in_sublayer(query: torch.Tensor) -> bool:
-    """Whether a phase-2 merge may run inside the sublayer that reads it: on plain tensors
-    outside any torch-function mode. Tensor parallel (DTensor) and the SPMD type checker (a
-    mode) keep the merge op, whose sharding rules they know."""
-    return type(query) in (torch.Tensor, nn.Parameter) and not torch._C._len_torch_function_stack()
+    """Whether a phase-2 merge may run inside the sublayer that reads it: not under tensor
+    parallel (DTensor) or the SPMD type checker (a torch-function mode), which keep the merge
+    op, whose sharding rules they know."""
+    return not isinstance(query, DTensor) and not torch._C._len_torch_function_stack()
 
 
 class DepthRouter(Module):
@@ -215,13 +237,31 @@ class DepthRouter(Module):
         return state
 
     def recompute_input(self, state: DepthState):
-        """The context the sublayer reading the last h runs in: with ``recompute_reads`` a save
-        of h (its checkpoint's input, or its first op's) keeps the read's node instead, and the
-        sublayer's backward rebuilds h from the read's inputs. Else nothing."""
+        """The context the sublayer reading the last read runs in: with ``recompute_reads`` a
+        save of what the read made (h, or a view of the block's phase-1 output: the sublayer's
+        checkpoint input, or its first op's) keeps the read's node instead, and the sublayer's
+        backward rebuilds it from the read's inputs. Else nothing."""
+        if state.recomputed is not None:
+            return saved_tensors_hooks(*_pack_rebuilt(state.recomputed))
         h = state.last_read
         if h is None or h.grad_fn is None:
             return contextlib.nullcontext()
-        return saved_tensors_hooks(*_pack_unless(h))
+        return saved_tensors_hooks(*_pack_rebuilt([(h, None)]))
+
+    def _per_block(self, state: DepthState) -> bool:
+        """With ``recompute_reads``: whether this forward recomputes its reads per block (phase 1
+        once per block, recomputed once in the backward; each merge inside the checkpointed graph
+        of the sublayer reading it) rather than per site. Block source sets on the fused
+        backends, with the merges in the sublayers; Full reads per site, one source set each."""
+        if state.per_block is None:
+            queries = self.query_params()
+            state.per_block = (
+                self.backend != "reference"
+                and len(self.ends) < self.num_sublayers
+                and bool(queries)
+                and _merge_in_sublayer(queries[0])
+            )
+        return state.per_block
 
     def step(self, state: DepthState, j: int, out) -> tuple[torch.Tensor, tuple | None]:
         """Sublayer j (1-based) wrote ``out`` (``Sublayer.write``); return site j's read as the
@@ -242,7 +282,7 @@ class DepthRouter(Module):
             state.values.append(state.partial)
             state.keys.append(state.partial_key)
             state.partial, state.partial_key = None, None
-        if self.recompute_reads:
+        if self.recompute_reads and not self._per_block(state):
             return self._recomputed_read(state, j), None
         if self.backend == "reference":
             return self._read_normalised_once(state, j), None
@@ -253,7 +293,9 @@ class DepthRouter(Module):
         stage's last): the merge ``read`` brings, run here."""
         if read is None:
             return h
-        lse1, partial, partial_key, query, backend = read
+        lse1, partial, partial_key, query, backend, dtype = read
+        if partial is None:
+            return h.to(dtype)
         return custom_ops.merge_partial(h, lse1, partial, partial_key, query, self.eps,
                                         backend=backend)  # fmt: skip
 
@@ -296,16 +338,24 @@ class DepthRouter(Module):
 
     def _phase1(self, state: DepthState, t: int, first: int | None = None) -> None:
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
-        ``first`` = t, site 0 excluded), up to this module's last site; none with
-        ``recompute_reads`` (each site reads alone)."""
+        ``first`` = t, site 0 excluded), up to this module's last site; none when
+        ``recompute_reads`` reads per site. Recomputed reads: through :class:`_RecomputedRead`
+        (the sublayers reading its views keep its node, :meth:`recompute_input`)."""
         nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
         first = max(t, 1) if first is None else first
-        if nxt <= first or self.recompute_reads:
-            state.phase1 = None
+        state.phase1 = state.recomputed = None
+        if nxt <= first or (self.recompute_reads and not self._per_block(state)):
             return
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys] if self.projected else None
-        queries = torch.stack([self.query(site) for site in range(first, nxt)])
+        queries = [self.query(site) for site in range(first, nxt)]
+        if self.recompute_reads:  # it keeps the query parameters themselves, not their stack
+            read = functools.partial(self._bank_read, len(values), len(queries))
+            out, lse = _RecomputedRead.apply(read, *values, *(keys or []), *queries)
+            state.recomputed = [(out, 0), (lse, 1)]
+            state.phase1 = (out.unbind(0), lse.unbind(0), first)
+            return
+        queries = torch.stack(queries)
         # split: each site's own view; the backward then reads each site's gradient where it
         # lies (out[i] would zero-fill and add a whole [c, ..., d] buffer per site)
         out, lse = custom_ops.block_read(
@@ -313,23 +363,35 @@ class DepthRouter(Module):
         )
         state.phase1 = (out, lse.unbind(0), first)
 
+    def _bank_read(self, n: int, c: int, *tensors: torch.Tensor):
+        """Phase 1 of ``n`` sources (their keys when projected, then ``c`` queries ``[r]``):
+        ``(out [c, ..., d] fp32, lse [c, ...])``."""
+        values, queries = list(tensors[:n]), torch.stack(tensors[-c:])
+        keys = list(tensors[n:-c]) if self.projected else None
+        return custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
+
     def _read_two_phase(self, state: DepthState, t: int) -> tuple[torch.Tensor, tuple | None]:
-        if state.partial is None:  # t is a block end: completed sources only
+        """Site t's phase-1 read and what the sublayer reading it finishes it with: the cast to
+        the activations' dtype (a block end: completed sources only), or the merge with the
+        partial. Under tensor parallel or the SPMD type checker, h itself (the merge op)."""
+        dtype = state.embedding.dtype
+        if state.partial is None:  # t is a block end
             self._phase1(state, t)
-            out, _, first = state.phase1
-            assert first == t
-            return out[0].to(state.embedding.dtype), None
-        partial_key = state.partial_key if self.projected else None
         out, lse, first = state.phase1
-        i = t - first
-        query = self.query(t)
+        i, query = t - first, self.query(t)
         if not _merge_in_sublayer(query):
+            if state.partial is None:
+                return out[i].to(dtype), None
+            partial_key = state.partial_key if self.projected else None
             h = custom_ops.merge_partial(
                 out[i], lse[i], state.partial, partial_key, query, self.eps, backend=self.backend
             )
             return h, None
+        if state.partial is None:
+            return out[i], (None, None, None, None, self.backend, dtype)
         state.handed_partial = True
-        return out[i], (lse[i], state.partial, partial_key, query, self.backend)
+        partial_key = state.partial_key if self.projected else None
+        return out[i], (lse[i], state.partial, partial_key, query, self.backend, dtype)
 
     def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
         """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead`; the state notes

@@ -41,8 +41,10 @@ class Sublayer(Module):
     sublayer's compiled graph (docs/performance.md):
 
     - ``read`` None: ``h`` is ``h_{j-1}``. Else ``h`` is site j-1's phase-1 read ``out1`` (fp32)
-      and ``read = (lse1, partial, partial_key, query, backend)`` the rest of its phase-2 merge
-      (:meth:`read_input`): h_{j-1} is made here, where the compiler fuses it with the norm.
+      and ``read = (lse1, partial, partial_key, query, backend, dtype)`` what finishes it
+      (:meth:`read_input`): its phase-2 merge with the running partial, or (partial None: a
+      block end) the cast to the activations' ``dtype``. h_{j-1} is made here, where the
+      compiler fuses it with the norm, and a checkpoint keeps the phase-1 read, not h.
     - returns ``h_{j-1} + o_j`` for the plain residual (``residual``); ``partial + o_j`` (and
       ``partial_key + k_j``) when ``read`` brought the running partial; else ``o_j`` (and k_j).
     """
@@ -85,12 +87,14 @@ class Sublayer(Module):
         return self.write(h, y, read)
 
     def read_input(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
-        """``h_{j-1}``: ``h`` itself, or the phase-2 merge of the phase-1 read ``h`` with the
-        partial that ``read`` brings. Traced by torch.compile it is the reference's maths, which
-        Inductor fuses with the norm that follows; eager, the ``backend``'s merge op."""
+        """``h_{j-1}``: ``h`` itself, or the phase-1 read ``h`` finished as ``read`` says: cast,
+        or merged with the partial. Traced by torch.compile the merge is the reference's maths,
+        which Inductor fuses with the norm that follows; eager, the ``backend``'s merge op."""
         if read is None:
             return h
-        lse1, partial, partial_key, query, backend = read
+        lse1, partial, partial_key, query, backend, dtype = read
+        if partial is None:
+            return h.to(dtype)
         if torch.compiler.is_compiling():
             backend = "reference"
         return merge_partial(h, lse1, partial, partial_key, query, self.key_eps, backend=backend)

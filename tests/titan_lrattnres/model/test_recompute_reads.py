@@ -59,9 +59,8 @@ def _h_storages(model) -> list[StorageWeakRef]:
     """Records the storage of every h the router returns (sites 1..M) from now on."""
     seen, step = [], model.router.step
 
-    def recording_step(*args):
+    def recording_step(*args):  # h, or the phase-1 read a sublayer finishes (Block: a view)
         h, read = step(*args)
-        assert read is None  # with AC every read is made by the router, none in a sublayer
         seen.append(StorageWeakRef(h.untyped_storage()))
         return h, read
 
@@ -133,7 +132,8 @@ def test_compiled_sublayers_the_same(ac):
         assert [s.expired() for s in hs[:-1]] == [True] * (len(hs) - 1)
         loss1.backward()
         assert counters["graph_break"] == {}, dict(counters["graph_break"])
-        assert 1 <= counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+        # per sublayer kind (attention, MLP) and input form (h, or a read to finish)
+        assert 1 <= counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
         assert not counters["recompiles"], dict(counters["recompiles"])
     finally:
         torch._dynamo.reset()
@@ -227,12 +227,16 @@ def test_the_forward_keeps_what_the_baseline_keeps(ac, monkeypatch):
     tokens = _tokens(DEEP, seq=16)
     unit = tokens.numel() * DEEP.dim * 4  # one fp32 [T, d]
     keys = tokens.numel() * RANK * 4 * 2 * (2 * DEEP.n_layers)  # two fp32 [T, r] per sublayer
+    # the eager checkpoint keeps its non-tensor arguments as they are: a read's tuple, whose LSE
+    # is a view of its block's phase-1 LSEs, fp32 [c, T] (blocks of 3, 4, 4, 4 sites with a
+    # partial to merge): 1/d of a [T, d] per site
+    lse = tokens.numel() * 4 * (3 + 4 + 4 + 4)
     base = _kept(_model("baseline", None, ac, flavor=DEEP), tokens)
     sliced = _kept(_model("sliced", 4, ac, flavor=DEEP), tokens)
     projected = _kept(_model("projected", 4, ac, flavor=DEEP), tokens)
-    assert sliced - base == unit  # measured: exactly
+    assert sliced - base == unit + lse  # measured: exactly
     # measured: keys of 5.6 [T, d] under full AC, 7.6 under selective, of the 8 allowed
-    assert unit < projected - base <= unit + keys
+    assert unit + lse < projected - base <= unit + lse + keys
 
     monkeypatch.setattr(DepthRouter, "recompute_input", lambda self, state: nullcontext())
     kept = _kept(_model("sliced", 4, ac, flavor=DEEP), tokens)
