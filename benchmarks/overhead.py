@@ -2,7 +2,8 @@
 
     python -m benchmarks.overhead --layers 12 --dim 512 --seq 1024 [--heads 8] [--batch 1]
         [--device cpu|cuda] [--dtype fp32|bf16] [--rounds 9] [--optimizer] [--cuda-graphs]
-        [--variants baseline,block8,...] [--json PATH]
+        [--ac none|selective|full] [--variants torchtitan,baseline,block8,...] [--profile]
+        [--json PATH]
 
 Every variant is the real ``LRAttnResModel`` (``titan_lrattnres.model.registry``), each sublayer
 compiled with ``fullgraph=True`` through torchtitan's own ``apply_compile`` (inductor), weights
@@ -17,7 +18,11 @@ replacement) and the number of rounds at which that interval would narrow to +-2
 per round a fixed workload (matmuls and a 32 MB copy, ~0.04 s on the 2-core CPU) is timed too:
 its scatter is the machine's own noise, which no choice of kernels removes. ``--from-json PATH
 [PATH...]`` re-prints saved runs' table with these statistics, pooling the rounds of several
-runs.
+runs. ``--profile``: after the rounds, one profiled step per variant, its time by class of work
+(``benchmarks.step_profile``). ``--ac none|selective|full``: torchtitan's activation
+checkpointing of every ``model.layers`` entry (the paper's configs train with selective).
+Variant ``torchtitan`` is torchtitan's own decoder of the same shape, the step a user would
+otherwise run; every table then gives each variant's ratio to it too.
 """
 
 from __future__ import annotations
@@ -328,6 +333,7 @@ def measure(
     cuda_graphs: bool = False,
     compile_: bool = True,
     ac: str = "none",
+    profile: bool = False,
     progress=print,
 ) -> dict:
     """``summarize`` of the timed rounds, plus ``"_machine_noise"``: ``noise`` of the fixed
@@ -368,7 +374,12 @@ def measure(
             )
             + f" (fixed workload {probe_s[-1]:.3f} s)"
         )
-    return {**summarize(times, variants, shape), "_machine_noise": noise(probe_s)}
+    result = {**summarize(times, variants, shape), "_machine_noise": noise(probe_s)}
+    if profile:  # one more step of each, profiled: where its time goes
+        from benchmarks.step_profile import profile_step
+
+        result["_profile_ms"] = {name: profile_step(steps[name], device) for name in variants}
+    return result
 
 
 def table(result: dict) -> str:
@@ -463,6 +474,10 @@ def main(argv=None) -> int:
         "titan_lrattnres.training.cpu.keep_freed_memory)",
     )
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    p.add_argument(
+        "--profile", action="store_true",
+        help="after the rounds, one profiled step per variant: its time by class of work",
+    )  # fmt: skip
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument(
         "--from-json", nargs="+", default=None, metavar="PATH",
@@ -506,11 +521,17 @@ def main(argv=None) -> int:
             cuda_graphs=a.cuda_graphs,
             compile_=not a.no_compile,
             ac=a.ac,
+            profile=a.profile,
         )
     except (ValueError, RuntimeError) as e:
         print(f"overhead: {e}", file=sys.stderr)
         return 2
     print(table(result))
+    if a.profile:
+        from benchmarks.step_profile import profile_table
+
+        rows = result["_profile_ms"]
+        print(profile_table(rows, "torchtitan" if "torchtitan" in rows else "baseline"))
     if a.json:
         meta = dict(vars(a), hidden=shape.hidden_dim, **environment(a.device),
                     freed_memory_kept=kept)  # fmt: skip
