@@ -174,9 +174,11 @@ warnings.filterwarnings(
 
 def _merge_in_sublayer(query: torch.Tensor) -> bool:
     """Whether a phase-2 merge may run inside the sublayer that reads it: not under tensor
-    parallel (DTensor) or the SPMD type checker (a torch-function mode), which keep the merge
-    op, whose sharding rules they know."""
-    return not isinstance(query, DTensor) and not torch._C._len_torch_function_stack()
+    parallel (DTensor) or, outside a trace (export's own modes), under the SPMD type checker (a
+    torch-function mode): they keep the merge op, whose sharding rules they know."""
+    if isinstance(query, DTensor):
+        return False
+    return torch.compiler.is_compiling() or not torch._C._len_torch_function_stack()
 
 
 class DepthRouter(Module):
