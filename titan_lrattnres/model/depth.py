@@ -2,10 +2,11 @@
 
 Design: the transformer's 2L sublayers are the units that torchtitan compiles, checkpoints and
 shards (``model.layers``); the router runs between them in the root forward and hands each
-sublayer its input in one of two fixed forms, so each compiled graph keeps one signature per
-form (no recompiles): ``h`` itself, or a phase-1 read with the rest of its phase-2 merge, which
-the sublayer finishes inside its own graph, where Inductor fuses it with the partial's update
-and the next RMSNorm (``Sublayer.read_input`` / ``write``). The query of read site t is the root
+sublayer its input in one of three fixed forms, so each compiled graph keeps one signature per
+form (no recompiles): ``h`` itself, or a phase-1 read with what finishes it (the cast of a block
+end's read, or the phase-2 merge with the partial), which the sublayer runs inside its own
+graph, where Inductor fuses it with the partial's update and the next RMSNorm
+(``Sublayer.read_input`` / ``write``). The query of read site t is the root
 parameter ``router.query_<t>`` (``[r]``, fp32 master weights; t = 1..2L), gathered once per step
 by the root FSDP unit: one parameter per site, so a pipeline stage owns exactly the queries of
 its own sites and a checkpoint written by any split keeps every one
@@ -292,7 +293,7 @@ class DepthRouter(Module):
 
     def finish(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
         """``h`` of a :meth:`step` result that no sublayer consumes (the final read, a pipeline
-        stage's last): the merge ``read`` brings, run here."""
+        stage's last), finished here as ``read`` says: the cast, or the merge."""
         if read is None:
             return h
         lse1, partial, partial_key, query, backend, dtype = read
