@@ -14,8 +14,9 @@ docs/gpu-check.md). Three sections, each written to the JSON as it finishes:
    kernels, Inductor's fused kernels, the rest) and each routed variant's difference to
    torchtitan's decoder, class by class.
 3. ``trainer``: the real Trainer, ``paper_baseline`` and ``paper_sliced_block8_r64`` for
-   ``GPU_SPEED_STEPS`` steps (default 30) each on the embedded corpus: torchtitan's logged tokens
-   per second and MFU, medians over the steps after the first five.
+   ``GPU_SPEED_STEPS`` steps (default 30) each on the embedded corpus, local batch 4 x 2048 with
+   no gradient accumulation (one GPU): torchtitan's logged tokens per second and MFU, medians
+   over the steps after the first five.
 
 Targets (``targets`` in the JSON, against this run's numbers): at the first case, standard Block,
 S-LR and P-LR Block N=8 within +5 % of torchtitan's decoder and Full within +15 %; the same with
@@ -135,21 +136,25 @@ _LOG = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
 
 def trainer(res, device, dry, tmp: Path):
     """Each config through ``python -m titan_lrattnres.train`` on the embedded corpus."""
+    from benchmarks.gpu_check import _corpus_env
     from titan_lrattnres.components import data
 
     steps = 3 if dry else int(os.environ.get("GPU_SPEED_STEPS", "30"))
     configs = ("cpu_smoke",) if dry else TRAINER  # the dry run: the command and its parsing
+    env = {**os.environ, **_corpus_env()}  # a corpus of this Python's own (built when missing)
+    cache = Path(env[data.CACHE_ENV]) if data.CACHE_ENV in env else None
     res["runs"] = {}
     for i, config in enumerate(configs):
         folder = tmp / f"trainer_{i}"
         cmd = [sys.executable, "-m", "titan_lrattnres.train", config, "--training.steps",
                str(steps), "--checkpoint.no-enable", "--validator.no-enable",
-               "--metrics.log_freq", "1", "--dump_folder", str(folder)]  # fmt: skip
-        if not dry:
-            cmd += ["--dataloader.dataset", "stdlib_py",
-                    "--hf_assets_path", str(data.tokenizer_dir())]  # fmt: skip
+               "--metrics.log_freq", "1", "--dump_folder", str(folder),
+               "--dataloader.dataset", "stdlib_py",
+               "--hf_assets_path", str(data.tokenizer_dir(cache))]  # fmt: skip
+        if not dry:  # one GPU: the paper's local batch, no gradient accumulation
+            cmd += ["--training.local_batch_size", "4", "--training.global_batch_size", "4"]
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         out = proc.stdout + proc.stderr
         logged = [(int(s), float(t.replace(",", "")), float(m)) for s, t, m in _LOG.findall(out)]
         later = [r for r in logged if r[0] > 5] or logged
