@@ -1,5 +1,5 @@
 """The GPU run that measures training speed as users train (``benchmarks/gpu_check.sh --speed``;
-docs/gpu-check.md). Three sections, each written to the JSON as it finishes:
+docs/gpu-check.md). Two sections, each written to the JSON as it finishes:
 
 1. ``step_ratios``: ``benchmarks.overhead.measure`` at the paper's shape (L=24 d=1024 T=2048,
    16 heads, vocabulary 100,277, bf16, FlexAttention, every ``model.layers`` entry compiled as
@@ -8,12 +8,12 @@ docs/gpu-check.md). Three sections, each written to the JSON as it finishes:
    ``GPU_SPEED_CASES`` (default ``4:selective,4:selective:graphs,4:none,1:none,1:none:graphs``:
    local batch, activation checkpointing, ``graphs`` = the whole step in a CUDA graph). The
    first case is the one the paper's configs train with (no CUDA graphs). Cases the budget does
-   not reach are recorded as skipped.
-2. ``profile``: one step of each variant under ``torch.profiler`` at the first case: GPU time by
-   kernel class (``benchmarks.step_profile``: matmuls, attention, the depth reads' Triton
-   kernels, Inductor's fused kernels, the rest) and each routed variant's difference to
-   torchtitan's decoder, class by class.
-3. ``trainer``: the real Trainer, ``paper_baseline`` and ``paper_sliced_block8_r64`` for
+   not reach are recorded as skipped. After the first case's rounds, one step of each of its
+   models under ``torch.profiler`` (``profile``): GPU time by kernel class
+   (``benchmarks.step_profile``: matmuls, attention, the depth reads' Triton kernels,
+   Inductor's fused kernels, the rest) and each routed variant's difference to torchtitan's
+   decoder, class by class.
+2. ``trainer``: the real Trainer, ``paper_baseline`` and ``paper_sliced_block8_r64`` for
    ``GPU_SPEED_STEPS`` steps (default 30) each on the embedded corpus, local batch 4 x 2048 with
    no gradient accumulation (one GPU): torchtitan's logged tokens per second and MFU, medians
    over the steps after the first five.
@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import meta, overhead
-from benchmarks.step_profile import profile_step, profile_table
+from benchmarks.step_profile import profile_table
 
 VARIANTS = ("torchtitan", "baseline", "block8", "sliced8_r64", "projected8_r32", "full")
 CASES = "4:selective,4:selective:graphs,4:none,1:none,1:none:graphs"
@@ -67,15 +67,23 @@ def case_name(batch: int, ac: str, graphs: bool) -> str:
     return f"B={batch} AC={ac}" + (" CUDA graphs" if graphs else "")
 
 
-def step_ratios(res, device, dry, deadline):
+def _plan(dry: bool):
+    """``(shape, rounds, cases, variants)``: the paper's shape and the environment's choice, or
+    the dry run's tiny ones."""
     if dry:
-        shape, rounds = overhead.Shape(4, 64, 32, heads=4, vocab=256), 2
-        cases = [(2, "none", False), (2, "selective", False)]
+        shape = overhead.Shape(4, 64, 32, heads=4, vocab=256)
         variants = ("torchtitan", "baseline", "sliced2_r32", "full")
-    else:
-        shape, rounds = overhead.Shape(24, 1024, 2048, heads=16, vocab=100277), 10
-        cases = parse_cases(os.environ.get("GPU_SPEED_CASES", CASES))
-        variants = tuple(os.environ.get("GPU_SPEED_VARIANTS", ",".join(VARIANTS)).split(","))
+        return shape, 2, [(2, "none", False), (2, "selective", False)], variants
+    shape = overhead.Shape(24, 1024, 2048, heads=16, vocab=100277)
+    cases = parse_cases(os.environ.get("GPU_SPEED_CASES", CASES))
+    variants = tuple(os.environ.get("GPU_SPEED_VARIANTS", ",".join(VARIANTS)).split(","))
+    return shape, 10, cases, variants
+
+
+def step_ratios(res, device, dry, deadline):
+    """Each case in turn; the first one timed also profiles one step per variant (the models
+    it built and warmed: ``res["profile"]``)."""
+    shape, rounds, cases, variants = _plan(dry)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     res["config"] = dict(layers=shape.layers, dim=shape.dim, seq=shape.seq, heads=shape.heads,
                          vocab=shape.vocab, hidden=shape.hidden_dim, dtype=str(dtype)[6:],
@@ -90,45 +98,24 @@ def step_ratios(res, device, dry, deadline):
             res["cases"][name] = {"skipped": "time budget"}
             continue
         case = res["cases"][name] = {}
+        profile = "profile" not in res and not graphs
         try:
             case["result"] = overhead.measure(
                 overhead.Shape(shape.layers, shape.dim, shape.seq, shape.heads, batch,
                                shape.vocab),
                 device=device, dtype=dtype, variants=variants, rounds=rounds, warmup=3,
-                cuda_graphs=graphs, compile_=not dry, ac=ac,
+                cuda_graphs=graphs, compile_=not dry, ac=ac, profile=profile,
                 progress=lambda m, n=name: print(f"[step_ratios {n}]", m, flush=True),
             )  # fmt: skip
             case["table"] = overhead.table(case["result"])
             print(f"[step_ratios] {name}\n{case['table']}", flush=True)
+            if profile:
+                rows = case["result"].pop("_profile_ms")
+                table = profile_table(rows)
+                res["profile"] = dict(case=name, ms_by_class=rows, table=table)
+                print(f"[profile] {name}\n{table}", flush=True)
         except Exception:  # noqa: BLE001 (recorded; the next case still runs)
             case["error"] = traceback.format_exc()[-3000:]
-
-
-def profile(res, device, dry):
-    """One profiled step per variant at the first case, models rebuilt (Inductor's cache)."""
-    if dry:
-        shape, (batch, ac, _) = overhead.Shape(4, 64, 32, heads=4, vocab=256), (2, "none", 0)
-        variants, compile_ = ("torchtitan", "baseline", "sliced2_r32"), False
-    else:
-        (batch, ac, _), *_ = parse_cases(os.environ.get("GPU_SPEED_CASES", CASES))
-        shape = overhead.Shape(24, 1024, 2048, heads=16, batch=batch, vocab=100277)
-        variants = tuple(os.environ.get("GPU_SPEED_VARIANTS", ",".join(VARIANTS)).split(","))
-        compile_ = True
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g).to(device)
-    tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
-    res["config"] = dict(case=case_name(shape.batch, ac, False), variants=variants)
-    rows = res["ms_by_class"] = {}
-    for name in variants:
-        model = overhead.build(name, shape, device, dtype, compile_, ac=ac)
-        step = overhead.Step(model, tokens, targets, optimizer=False, cuda_graph=False)
-        for _ in range(3):
-            step()
-        rows[name] = profile_step(step, device)
-        del step, model
-    res["table"] = profile_table(rows)
-    print(f"[profile]\n{res['table']}", flush=True)
 
 
 _LOG = re.compile(r"step:\s*(\d+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
@@ -193,7 +180,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("json_path", nargs="?", default=None)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, end to end")
-    p.add_argument("--sections", default="step_ratios,profile,trainer")
+    p.add_argument("--sections", default="step_ratios,trainer")
     args = p.parse_args(argv)
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -206,7 +193,6 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gpu_speed_"))
     sections = {
         "step_ratios": lambda res: step_ratios(res, device, dry, deadline),
-        "profile": lambda res: profile(res, device, dry),
         "trainer": lambda res: trainer(res, device, dry, tmp),
     }
     for name in [s for s in args.sections.split(",") if s]:

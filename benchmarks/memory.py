@@ -47,10 +47,9 @@ from enum import Enum
 import torch
 
 from benchmarks.meta import environment, write
-from benchmarks.overhead import VARIANTS, parse_variant
+from benchmarks.overhead import AC_MODES, VARIANTS, parse_variant
 
 GIB = 2**30
-AC_MODES = ("none", "selective", "full")
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "torchtitan")  # the project's model only
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # tracker category (FSDPMemTracker's _FSDPRefType name) -> reported category

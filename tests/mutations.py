@@ -45,16 +45,14 @@ REF, C, TRITON = (
     "custom_ops/cpu/depth_read.c",
     "custom_ops/kernels/merge.py",
 )
-PARTIAL = "        return merge_partial(h, lse1, partial,"
-FINISH = "        return custom_ops.merge_partial(h, lse1, partial,"
+PARTIAL = "    return custom_ops.merge_partial(h, lse1, partial,"
 STEP = "h, read = self.router.step(state, j, out)"
 
 # name -> [(file, old, new)]; each old text must occur exactly once in its file
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "drop the partial": [
         (DEPTH, "if state.partial is not None:\n            values", "if 0:\n            values"),
-        (MODEL, PARTIAL, PARTIAL.replace("return ", "return h.to(partial.dtype) if 1 else ")),
-        (DEPTH, FINISH, FINISH.replace("return ", "return h.to(partial.dtype) if 1 else ")),
+        (DEPTH, PARTIAL, PARTIAL.replace("return ", "return h.to(partial.dtype) if 1 else ")),
     ],
     "addition instead of replacement": [
         (MODEL, STEP, STEP + "; h = h + (out[0] if isinstance(out, tuple) else out)"),

@@ -1,11 +1,10 @@
 """The training-speed GPU run: its case list, kernel classes and targets, and its CPU dry run end
-to end through ``gpu_check.sh --speed`` (every section, tiny shapes, the Trainer on a tiny
-corpus)."""
+to end through ``gpu_check.sh --speed`` (every section and the profile, tiny shapes, the Trainer
+on a tiny corpus)."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_speed, step_profile
-from titan_lrattnres.components import data
+from tests.titan_lrattnres.trainer_runs import tiny_corpus_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,15 +62,9 @@ def test_targets_against_torchtitan_and_the_trainer():
 
 @pytest.mark.slow
 def test_dry_run_runs_every_section(tmp_path):
-    cache = tmp_path / "data_cache"  # a tiny corpus: the Trainer section needs one
-    files = data.stdlib_files()
-    train = [f for f in files if not data.is_validation(f[0])][:40]
-    val = [f for f in files if data.is_validation(f[0])][:6]
-    data.build_corpus(data.corpus_dir(cache), train + val, vocab_size=512)
+    # a tiny corpus: the Trainer section needs one
+    env = dict(tiny_corpus_env(tmp_path / "data_cache"), PYTHON=sys.executable)
     out = tmp_path / "speed.json"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHON=sys.executable, LRATTNRES_DATA_DIR=str(cache),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # fmt: skip
     p = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--speed", str(out), "--dry-run"],
         env=env, capture_output=True, text=True, timeout=300,
@@ -82,7 +75,9 @@ def test_dry_run_runs_every_section(tmp_path):
     assert set(cases) == {"B=2 AC=none", "B=2 AC=selective"}
     for case in cases.values():
         assert case["result"]["sliced2_r32"]["median_overhead_vs_torchtitan_pct"] is not None
-    assert set(result["profile"]["ms_by_class"]) == {"torchtitan", "baseline", "sliced2_r32"}
-    assert result["profile"]["ms_by_class"]["baseline"]["matmuls"] > 0
+    profile = result["step_ratios"]["profile"]  # the first case's models, one step each
+    assert profile["case"] == "B=2 AC=none"
+    assert set(profile["ms_by_class"]) == set(result["step_ratios"]["config"]["variants"])
+    assert profile["ms_by_class"]["baseline"]["matmuls"] > 0
     run = result["trainer"]["runs"]["cpu_smoke"]
     assert run["returncode"] == 0 and run["tokens_per_s"] > 0, run["tail"]

@@ -182,6 +182,19 @@ def _merge_in_sublayer(query: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or not torch._C._len_torch_function_stack()
 
 
+def finish_read(h: torch.Tensor, read: tuple, eps: float | None) -> torch.Tensor:
+    """``h`` (a phase-1 read) finished as ``read = (lse1, partial, partial_key, query, backend,
+    dtype)`` says: cast to ``dtype`` (no partial: a block end), or merged with the partial (key
+    eps ``eps``). Traced by torch.compile the merge is the reference's maths, which Inductor
+    fuses with the code around it; eager, the ``backend``'s merge op."""
+    lse1, partial, partial_key, query, backend, dtype = read
+    if partial is None:
+        return h.to(dtype)
+    if torch.compiler.is_compiling():
+        backend = "reference"
+    return custom_ops.merge_partial(h, lse1, partial, partial_key, query, eps, backend=backend)
+
+
 class DepthRouter(Module):
     """Owns the routing parameters and performs every read site's read."""
 
@@ -294,13 +307,7 @@ class DepthRouter(Module):
     def finish(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
         """``h`` of a :meth:`step` result that no sublayer consumes (the final read, a pipeline
         stage's last), finished here as ``read`` says: the cast, or the merge."""
-        if read is None:
-            return h
-        lse1, partial, partial_key, query, backend, dtype = read
-        if partial is None:
-            return h.to(dtype)
-        return custom_ops.merge_partial(h, lse1, partial, partial_key, query, self.eps,
-                                        backend=backend)  # fmt: skip
+        return h if read is None else finish_read(h, read, self.eps)
 
     def query(self, t: int) -> torch.Tensor:
         return getattr(self, query_name(t))
@@ -377,24 +384,19 @@ class DepthRouter(Module):
         """Site t's phase-1 read and what the sublayer reading it finishes it with: the cast to
         the activations' dtype (a block end: completed sources only), or the merge with the
         partial. Under tensor parallel or the SPMD type checker, h itself (the merge op)."""
-        dtype = state.embedding.dtype
-        if state.partial is None:  # t is a block end
+        dtype, partial = state.embedding.dtype, state.partial
+        if partial is None:  # t is a block end
             self._phase1(state, t)
+            read = (None, None, None, None, self.backend, dtype)
         out, lse, first = state.phase1
         i, query = t - first, self.query(t)
-        if not _merge_in_sublayer(query):
-            if state.partial is None:
-                return out[i].to(dtype), None
+        if partial is not None:
             partial_key = state.partial_key if self.projected else None
-            h = custom_ops.merge_partial(
-                out[i], lse[i], state.partial, partial_key, query, self.eps, backend=self.backend
-            )
-            return h, None
-        if state.partial is None:
-            return out[i], (None, None, None, None, self.backend, dtype)
-        state.handed_partial = True
-        partial_key = state.partial_key if self.projected else None
-        return out[i], (lse[i], state.partial, partial_key, query, self.backend, dtype)
+            read = (lse[i], partial, partial_key, query, self.backend, dtype)
+        if not _merge_in_sublayer(query):
+            return self.finish(out[i], read), None
+        state.handed_partial = partial is not None
+        return out[i], read
 
     def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
         """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead`; the state notes

@@ -25,9 +25,8 @@ from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
 from torchtitan.protocols.module import Module
 
-from custom_ops.api import merge_partial
 from custom_ops.reference import key_rmsnorm
-from titan_lrattnres.model.depth import DepthRouter
+from titan_lrattnres.model.depth import DepthRouter, finish_read
 from titan_lrattnres.model.flops import routing_flops
 
 
@@ -87,17 +86,10 @@ class Sublayer(Module):
         return self.write(h, y, read)
 
     def read_input(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
-        """``h_{j-1}``: ``h`` itself, or the phase-1 read ``h`` finished as ``read`` says: cast,
-        or merged with the partial. Traced by torch.compile the merge is the reference's maths,
-        which Inductor fuses with the norm that follows; eager, the ``backend``'s merge op."""
-        if read is None:
-            return h
-        lse1, partial, partial_key, query, backend, dtype = read
-        if partial is None:
-            return h.to(dtype)
-        if torch.compiler.is_compiling():
-            backend = "reference"
-        return merge_partial(h, lse1, partial, partial_key, query, self.key_eps, backend=backend)
+        """``h_{j-1}``: ``h`` itself, or the phase-1 read ``h`` finished as ``read`` says
+        (``depth.finish_read``: cast, or merged with the partial; compiled, fused with the norm
+        that follows)."""
+        return h if read is None else finish_read(h, read, self.key_eps)
 
     def write(self, h: torch.Tensor, y: torch.Tensor, read: tuple | None = None):
         """What the sublayer hands on, from its input ``h`` and its output projection's result
