@@ -21,7 +21,10 @@ so its decisions (when to save, what, async or not, HF format) stay torchtitan's
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +88,14 @@ class LRAttnResCheckpointManager(CheckpointManager):
 
     # --- saving ------------------------------------------------------------------------------
 
+    pause: Callable[[], AbstractContextManager] = contextlib.nullcontext
+    """Entered around every save: the trainer sets the metrics processor's ``paused``, so that
+    saves do not count as training time."""
+
     def save(self, curr_step: int, last_step: bool = False) -> bool:
         self._step = curr_step
-        return super().save(curr_step, last_step)
+        with self.pause():
+            return super().save(curr_step, last_step)
 
     def dcp_save(
         self, state_dict, checkpoint_id, async_mode, enable_garbage_collection=False, to_hf=False

@@ -3,7 +3,12 @@ built from its config (``metrics=RunMetricsProcessor.Config(...)``).
 
 It logs what torchtitan logs and also keeps every logged step (loss, gradient norm, tokens, time;
 with z-loss the CE part) and every validation loss for ``summary.json`` and the loss curve
-(:mod:`titan_lrattnres.training.summary`), and prints a progress line with an ETA. Under pipeline
+(:mod:`titan_lrattnres.training.summary`), and prints a progress line with an ETA.
+
+Training time: each step's ``train_s`` counts the seconds since the first logged step (whose
+compile it leaves out) without the pauses between steps that are not training: validation and
+checkpoint saves run inside :meth:`RunMetricsProcessor.paused`, which the validator and the
+checkpointer enter. Under pipeline
 parallel only the last stage computes the loss (torchtitan reports -1 elsewhere): the validation
 loss of the last stage is logged on every rank, as the trainer does for training losses.
 
@@ -14,7 +19,9 @@ stage (:class:`titan_lrattnres.components.zloss.ZLossMetricsProcessor`).
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +70,23 @@ class RunMetricsProcessor(MetricsProcessor):
         self.first_step = 0
         self.history: list[dict] = []
         self.val_history: list[dict] = []
+        self.paused_s = 0.0  # validation and saves since the first logged step
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside is not training time (``train_s``, the summary's tokens/s)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.train_t0 is not None:
+                self.paused_s += time.perf_counter() - start
+
+    def train_seconds(self, now: float | None = None) -> float:
+        """Training seconds since the first logged step, pauses left out."""
+        if self.train_t0 is None:
+            return 0.0
+        return (time.perf_counter() if now is None else now) - self.train_t0 - self.paused_s
 
     def training_extras(self, step: int, loss: float) -> dict[str, Any]:
         """More metrics for training step ``step`` (every rank calls it, in step)."""
@@ -97,6 +121,7 @@ class RunMetricsProcessor(MetricsProcessor):
             "grad_norm": float(grad_norm),
             "tokens": int(extra["n_tokens_seen"]),  # torchtitan's train_step passes it
             "time_s": now - self.t0,
+            "train_s": self.train_seconds(now),
         }
         z = extra.get("loss_metrics/z_loss")
         if z is not None:  # z-loss on (titan_lrattnres.components.zloss): the CE part beside it
@@ -105,7 +130,7 @@ class RunMetricsProcessor(MetricsProcessor):
         total, done = self.total_steps, step - self.first_step
         rate = done / (now - self.train_t0) if done > 0 else 0.0
         eta = (total - step) / rate if rate > 0 else float("nan")
-        tok_s = (entry["tokens"] - self.history[0]["tokens"]) / max(now - self.train_t0, 1e-9)
+        tok_s = (entry["tokens"] - self.history[0]["tokens"]) / max(entry["train_s"], 1e-9)
         if not dist.is_initialized() or dist.get_rank() == 0:
             logger.info(
                 f"[progress] step {step}/{total} ({100 * step / max(total, 1):.0f}%)  "

@@ -14,7 +14,11 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
   reported as mean ± 1.96·std/sqrt(n) (falls back to the trainer's ``final_val_loss``, no CI,
   when no validation text is available);
 - added FLOPs % (docs/method.md §5, ``titan_lrattnres.model.flops.added_flops_percent``),
-  parameters and tokens/s (the run's ``summary.json``);
+  parameters and tokens/s (the run's ``summary.json``). Tokens/s is shown only for a run measured
+  alone: before each run the sweep measures the cores other processes use, and during it the CPU
+  time they take (:mod:`titan_lrattnres.evaluation.machine`, kept in the run's
+  ``machine_load.json``); above 0.25 cores, or for a run without that record, the column says
+  ``-`` and the JSON keeps the figure;
 - peak memory per rank of one training step as ``python -m benchmarks.memory`` predicts it for
   the run's shape (flavor, variant, blocks, rank, seq, local batch; AC mode, parameter dtype,
   optimizer and loss of the run's config; FSDP size = its data-parallel degree), computed once
@@ -34,6 +38,9 @@ quarter of a 4x-training-length input minus its loss at 1x (extrapolation) and t
 gain (first minus second occurrence loss) at the longest gap. ``--merge OLD/sweep.json`` adds the
 rows of an earlier sweep (runs that need not be on this machine: their per-batch losses are in the
 JSON) to this one's, in the earlier order, new configs after; a config in both takes this run's.
+
+``python -m titan_lrattnres.sweep --budget ...`` is the comparison at a matched budget, loss
+against tokens and against time, several seeds (:mod:`titan_lrattnres.evaluation.budget`).
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from titan_lrattnres.evaluation.machine import BUSY_CORES, busy_cores, run_training
 
 # baseline, standard Full, standard Block N=4, S-LR Block N=4 r=32, P-LR Block N=4 r=32 (cpu_small)
 DEFAULT_CONFIGS = (
@@ -145,8 +153,11 @@ def model_key(variant: str, blocks, rank, block_layers=None) -> tuple:
     return (variant, blocks, block_layers, None if variant == "attnres" else rank)
 
 
-def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
-    """One table row from a run summary and (optionally) our own evaluation."""
+def make_row(
+    name: str, summary: dict, evaluation: dict | None = None, load: dict | None = None
+) -> dict:
+    """One table row from a run summary, (optionally) our own evaluation and the machine's
+    load around the run (``machine_load.json``)."""
     from titan_lrattnres.model.flops import added_flops_percent
     from titan_lrattnres.model.registry import FLAVORS
 
@@ -181,6 +192,8 @@ def make_row(name: str, summary: dict, evaluation: dict | None = None) -> dict:
         "added_flops_pct": added,
         "params": ev.get("params", summary.get("params")),
         "tokens_per_s": summary.get("tokens_per_s"),
+        "other_cores": (load or {}).get("other_cores"),
+        "busy_cores_before": (load or {}).get("busy_cores_before"),
         "peak_rss_mib": summary.get("peak_rss_mib"),
         "memory_case": memory_case(name, summary),
     }
@@ -351,6 +364,12 @@ def label(row: dict) -> str:
     return f"{name} {shape}{rank}"
 
 
+def measured_alone(row: dict) -> bool:
+    """Whether the run's throughput is its own: its load record says nothing else ran."""
+    loads = [row.get("other_cores"), row.get("busy_cores_before")]
+    return loads[0] is not None and all(x is None or x <= BUSY_CORES for x in loads)
+
+
 def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -376,13 +395,14 @@ def markdown_table(rows: list[dict]) -> str:
         loss = _fmt(r["val_loss"], ".4f")
         if r.get("val_ci95") is not None and not math.isnan(r["val_ci95"]):
             loss += f" ± {r['val_ci95']:.4f}"
+        tok_s = r["tokens_per_s"] if measured_alone(r) else None
         delta = _fmt(r.get("delta_vs_baseline"), "+.4f")
         if r.get("delta_ci95") is not None and not math.isnan(r["delta_ci95"]):
             delta += f" ± {r['delta_ci95']:.4f}"
         lines.append(
             f"| {label(r)} | {r['config']} | {_fmt(r.get('lr'), 'g')} | {loss} | {delta} | "
             f"{_fmt(r['added_flops_pct'], '.3f')} | "
-            f"{_fmt(r['params'], ',')} | {_fmt(r['tokens_per_s'], ',.0f')} | "
+            f"{_fmt(r['params'], ',')} | {_fmt(tok_s, ',.0f')} | "
             f"{_fmt(r.get('predicted_peak_mib'), ',.0f')} |"
             + "".join(f" {_fmt(r.get(k), f)} |" for k, _, f in extras)
         )
@@ -435,7 +455,10 @@ def write_report(rows: list[dict], out: Path, decode=None, longctx=None) -> None
     md = (
         "# Variant sweep\n\nMatched tokens, data and seed. Validation loss: mean of per-batch "
         "losses over the held-out split, ± 1.96·std/sqrt(n); Δ vs baseline: mean of the "
-        "per-batch differences on the same batches, ± 1.96·std/sqrt(n).\n\n" + markdown_table(rows)
+        "per-batch differences on the same batches, ± 1.96·std/sqrt(n). Tokens/s: only for runs "
+        f"measured alone (other processes under {BUSY_CORES} cores before and during the run); "
+        "'-' where they used more or the run has no such record (the JSON keeps the figure).\n\n"
+        + markdown_table(rows)
     )
     if best:
         md += (
@@ -478,12 +501,17 @@ def main(argv=None) -> int:
         run = out / name
         summary_file = run / "summary.json"
         cmd = train_command(name, run, ns.nproc, extra)
+        load_file = run / "machine_load.json"
         if summary_file.is_file():
             print(f"reuse {run} (summary.json present)")
         elif ns.dry_run:
             print(" ".join(cmd))
             continue
         else:
+            busy = busy_cores()
+            if busy is not None and busy > BUSY_CORES:
+                print(f"WARNING: other processes use {busy:.2f} cores: {name}'s tokens/s will "
+                      "not be its own and stays out of the table", flush=True)  # fmt: skip
             print("$ " + " ".join(cmd), flush=True)
             env = dict(
                 os.environ,
@@ -491,9 +519,12 @@ def main(argv=None) -> int:
                     [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
                 ),
             )
-            if subprocess.run(cmd, env=env).returncode != 0 or not summary_file.is_file():
+            rc, other = run_training(cmd, env)
+            if rc != 0 or not summary_file.is_file():
                 print(f"FAILED {name}: no {summary_file}; left out of the table")
                 continue
+            load = {"busy_cores_before": busy, "other_cores": other}
+            load_file.write_text(json.dumps(load, indent=2) + "\n")
         summary = json.loads(summary_file.read_text())
         try:
             evaluation = evaluate_run(run, summary, ns.val_batches)
@@ -503,7 +534,8 @@ def main(argv=None) -> int:
                 "final_val_loss without a CI"
             )
             evaluation = {}
-        rows.append(make_row(name, summary, evaluation))
+        load = json.loads(load_file.read_text()) if load_file.is_file() else None
+        rows.append(make_row(name, summary, evaluation, load))
     if ns.merge and not ns.dry_run:
         rows = merge_rows(json.loads(Path(ns.merge).read_text()), rows)
     if rows and not ns.no_memory:

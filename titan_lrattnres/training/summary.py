@@ -34,9 +34,9 @@ def build_summary(trainer) -> dict:
     train_t0 = trainer.metrics_processor.train_t0  # at the first logged step
     train_wall = (time.perf_counter() - train_t0) if train_t0 else None
     # Training throughput spans the logged steps only: from the first step's log (its compile
-    # excluded) to the last one's, so the final save and validation (whose eval-mode compile
-    # differs by variant) stay out of it; the _wall figure keeps them in.
-    steps_wall = hist[-1]["time_s"] - hist[0]["time_s"] if len(hist) > 1 else None
+    # excluded) to the last one's, without the validations and saves between them (train_s,
+    # RunMetricsProcessor.paused); the _wall figure keeps them all in.
+    steps_wall = hist[-1]["train_s"] - hist[0]["train_s"] if len(hist) > 1 else None
     tokens = hist[-1]["tokens"] if hist else trainer.ntokens_seen
     first_tokens = hist[0]["tokens"] if hist else 0
     tail = [h["loss"] for h in hist[-10:]]

@@ -15,6 +15,7 @@ summary, the progress line) and :class:`EndValidator`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.validate import Validator
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
@@ -87,7 +89,12 @@ def check_fingerprint(folder: str, current: dict) -> None:
 
 class EndValidator(Validator):
     """Validates every ``freq`` steps and at the last step (not at step 1, unlike the stock
-    validator); ``final_step`` is set by the trainer from ``training.steps``."""
+    validator); ``final_step`` is set by the trainer from ``training.steps``.
+
+    Each validation is a pause of the training clock (``RunMetricsProcessor.paused``), and its
+    record in ``val_history`` also holds the tokens and training seconds of the step it follows
+    and the validation's own seconds; on one process (no data or pipeline parallel) also each
+    batch's mean loss, so that runs validated on the same batches can be compared pairwise."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Validator.Config):
@@ -97,6 +104,37 @@ class EndValidator(Validator):
 
     def should_validate(self, step: int) -> bool:
         return step % self.config.freq == 0 or step == self.final_step
+
+    def validate(self, model_parts, step: int) -> None:
+        mp = self.metrics_processor
+        per_batch = not (self.parallel_dims.dp_cp_enabled or self.parallel_dims.pp_enabled)
+        sums: list[tuple[torch.Tensor, torch.Tensor]] = []
+        loss_fn = self.loss_fn
+
+        def recording(pred, labels, *args, **kwargs):
+            out = loss_fn(pred, labels, *args, **kwargs)
+            sums.append((out[0].detach().float(), (labels != IGNORE_INDEX).sum()))
+            return out
+
+        if per_batch:
+            self.loss_fn = recording
+        start = time.perf_counter()
+        try:
+            with mp.paused() if isinstance(mp, RunMetricsProcessor) else contextlib.nullcontext():
+                super().validate(model_parts, step)
+        finally:
+            self.loss_fn = loss_fn
+        history = getattr(mp, "val_history", None)
+        if not history or history[-1]["step"] != step:
+            return
+        record = history[-1]
+        record["val_s"] = time.perf_counter() - start
+        last = mp.history[-1] if mp.history else None
+        if last is not None and last["step"] == step:
+            record.update(tokens=last["tokens"], train_s=last["train_s"])
+        if per_batch and sums:
+            loss, n = (torch.stack(x).cpu() for x in zip(*sums))
+            record["batch_losses"] = (loss / n).tolist()
 
 
 def _require(config, field: str, expected: type) -> None:
@@ -133,6 +171,7 @@ class LRAttnResTrainer(Trainer):
         self._loss_finite: torch.Tensor | None = None  # of the current step, on device
         mp = self.metrics_processor
         mp.t0, mp.total_steps = self._t0, config.training.steps
+        self.checkpointer.pause = mp.paused  # saves are not training time
         if self.parallel_dims.pp_enabled:
             mp.pp_has_last_stage, mp.device = self.pp_has_last_stage, self.device
         if config.validator.enable and isinstance(self.validator, EndValidator):

@@ -271,3 +271,25 @@ def test_merge_renames_an_earlier_sweeps_rss_column():
     old = [{"config": "a", "peak_mem_mib": 1500.0}]
     (row,) = sweep.merge_rows(old, [])
     assert row["peak_rss_mib"] == 1500.0 and "peak_mem_mib" not in row
+
+
+def test_tokens_per_s_only_for_runs_measured_alone(tmp_path, capsys, predictions):
+    loads = {  # other processes' cores: during the run, before it (None: no record)
+        "cpu_default_baseline": {"other_cores": 0.05, "busy_cores_before": 0.1},
+        "cpu_default_attnres": {"other_cores": 0.9, "busy_cores_before": 0.1},
+        "cpu_default_sliced": {"other_cores": 0.05, "busy_cores_before": 1.2},
+        "cpu_default_projected": None,
+    }
+    for name, f in FAKE.items():
+        (tmp_path / name).mkdir()
+        s = _summary(f["variant"], f["blocks"], f["rank"], f["val"])
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+        if loads[name] is not None:
+            (tmp_path / name / "machine_load.json").write_text(json.dumps(loads[name]))
+    assert sweep.main(["--out", str(tmp_path), "--configs", ",".join(FAKE)]) == 0
+    table = (tmp_path / "sweep.md").read_text()
+    shown = [line for line in table.splitlines() if "| 1,234 |" in line]
+    assert len(shown) == 1 and "| cpu_default_baseline |" in shown[0]
+    assert "measured alone" in table
+    rows = json.loads((tmp_path / "sweep.json").read_text())
+    assert all(r["tokens_per_s"] == 1234.5 for r in rows)  # the JSON keeps every figure
