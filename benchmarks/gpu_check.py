@@ -219,7 +219,7 @@ def _memory_cases(dry: bool) -> list:
 
     shape = (dict(flavor="debug", seq=64, batch=2, dtype="fp32", implementation="foreach")
              if dry else dict(flavor="paper_0p5b", seq=2048, batch=4, dtype="bf16"))  # fmt: skip
-    return [(n, memory.Case.named(n, ac="none", fsdp=1, **shape)) for n in memory.DEFAULT_VARIANTS]
+    return [(n, memory.named_case(n, ac="none", fsdp=1, **shape)) for n in memory.DEFAULT_VARIANTS]
 
 
 def memory_start(tmp: Path, dry: bool) -> dict:

@@ -71,8 +71,8 @@ def trainer_config(seq_len: int, cp: int):
 def model_spec(case: str, config, device_type: str):
     """The project's ModelSpec for ``case`` with FlexAttention (DenseFlexAttention on the
     CPU), updated from ``config`` as the Trainer does."""
-    from titan_lrattnres.model.registry import model_registry
     from titan_lrattnres.parallel.context import DenseFlexAttention
+    from titan_lrattnres.spec import model_registry
 
     kwargs = {k: v for k, v in CASES[case].items() if k != "documents"}
     spec = model_registry("debug", attn_backend="flex", **kwargs)

@@ -36,424 +36,49 @@ tracker to a real CPU run at a small shape; ``benchmarks/gpu_check.py``'s ``memo
 from __future__ import annotations
 
 import argparse
-import contextlib
-import gc
 import sys
-import time
-import traceback
-from dataclasses import asdict, dataclass, replace
-from enum import Enum
+from dataclasses import asdict
 
 import torch
 
 from benchmarks.meta import environment, write
-from benchmarks.overhead import AC_MODES, VARIANTS, parse_variant
+from benchmarks.overhead import VARIANTS, parse_variant
+from titan_lrattnres.evaluation.memory import (  # noqa: F401  (benchmarks.memory.<name> as before)
+    AC_MODES,
+    DTYPES,
+    GIB,
+    GROUPS,
+    Case,
+    apply_ac,
+    build,
+    build_loss,
+    build_optimizers,
+    device_snapshot,
+    measure,
+    measure_real,
+    process_group,
+    track,
+    train_step,
+)
 
-GIB = 2**30
+# The prediction itself is titan_lrattnres.evaluation.memory (the sweep's memory column); this
+# module is its command, over a table of variants.
 DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "torchtitan")  # the project's model only
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# tracker category (FSDPMemTracker's _FSDPRefType name) -> reported category
-GROUPS = {
-    "parameters": ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER", "ALL_GATHER"),
-    "gradients": ("SHARDED_GRAD", "UNSHARDED_GRAD", "REDUCE_SCATTER"),
-    "optimizer": ("OPT",),
-    "activations": ("ACT", "INP"),
-    "temporaries": ("TEMP",),
-}
 
 
-@dataclass(frozen=True)
-class Case:
-    """One configuration: the model (flavor, variant, blocks / block_layers, rank), the step's
-    shape (seq, local batch), the AC mode, the FSDP size and the training recipe."""
+def named_case(name: str, **kw) -> Case:
+    """The case of a ``benchmarks.overhead`` variant name (e.g. ``sliced8_r64``; standard
+    AttnRes: r = d; the baseline: rank 0, unused)."""
+    from titan_lrattnres.model.registry import FLAVORS
 
-    flavor: str = "paper_0p5b"
-    variant: str = "baseline"  # baseline | attnres | sliced | projected
-    blocks: int | None = None  # None with block_layers None: Full
-    rank: int = 64
-    seq: int = 2048
-    batch: int = 4
-    ac: str = "none"  # none | selective | full
-    fsdp: int = 8
-    dtype: str = "bf16"  # FSDP2 parameter dtype (masters and reductions are fp32)
-    optimizer: str = "recipe"  # recipe (Muon + AdamW, train_configs.recipe) | adamw
-    z_loss: float = 1e-5  # the recipe's loss; 0: plain cross-entropy
-    loss_chunks: int = 8  # ChunkedLossWrapper's default
-    implementation: str = "fused"  # AdamW's: fused (GPU configs) | foreach (CPU configs)
-    ortho_dtype: str = "bfloat16"  # Muon's Polar Express (the CPU configs: float32)
-    block_layers: int | None = None
-    max_norm: float = 1.0
-
-    @classmethod
-    def named(cls, name: str, **kw) -> Case:
-        """The case of a ``benchmarks.overhead`` variant name (e.g. ``sliced8_r64``; standard
-        AttnRes: r = d; the baseline: rank 0, unused)."""
-        from titan_lrattnres.model.registry import FLAVORS
-
-        variant, blocks, rank = parse_variant(name)
-        if variant == "attnres":
-            rank = FLAVORS[kw.get("flavor", cls.flavor)].dim
-        return cls(variant=variant, blocks=blocks, rank=rank, **kw)
-
-
-def _reftype_name(key) -> str:
-    return key.name if isinstance(key, Enum) else key  # the enum's values have spaces
-
-
-def _grouped(snap: dict[str, int]) -> dict[str, int]:
-    return {g: sum(snap.get(k, 0) for k in keys) for g, keys in GROUPS.items()}
-
-
-def _tracker_class():
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
-
-    class Tracker(FSDPMemTracker):
-        """FSDPMemTracker plus each category's own maximum, and optimizer containers
-        (torchtitan's OptimizersContainer holds its optimizers' state, not its own)."""
-
-        def __init__(self, mod, optimizers):
-            super().__init__(mod, None)
-            self._container = optimizers
-            self.category_max: dict[str, int] = {}  # tracker and reported categories
-
-        def _record_max(self):
-            for snap in self._curr_mem_snap.values():  # one device
-                named = {_reftype_name(k): v for k, v in snap.items()}
-                for key, v in (*named.items(), *_grouped(named).items()):
-                    self.category_max[key] = max(self.category_max.get(key, 0), v)
-
-        def _update_peak_stats(self, peak_state) -> None:
-            super()._update_peak_stats(peak_state)
-            self._record_max()
-
-        def _instrument_optimizer(self) -> None:
-            container = self._container
-            if container is None:
-                return
-            for opt in container:
-                self._track_optimizer_states(_FSDPRefType.OPT, opt)
-
-            def pre(*_):
-                self._in_opt = True
-
-            def post(*_):
-                for opt in container:
-                    self._track_optimizer_states(_FSDPRefType.OPT, opt)
-                self._in_opt = False
-
-            self._optimizer_hook_handles = (
-                container.register_step_pre_hook(pre),
-                container.register_step_post_hook(post),
-            )
-
-        def __enter__(self):
-            out = super().__enter__()
-            self._record_max()
-            self._forget_handles = []
-            return out
-
-        def __exit__(self, *args):
-            for h in self._forget_handles:
-                h.remove()
-            super().__exit__(*args)
-
-        def allow_repeated_calls(self, module) -> None:
-            """The chunked loss calls the LM head once per chunk, outside the model's forward:
-            the tracker takes a second such call for a second iteration and refuses it.
-            Forgetting the module's per-module statistics before each forward call allows it
-            (they are not used here; the totals are kept)."""
-
-            def forget(mod, args):
-                if not self._mod_tracker.is_bw:
-                    self.memory_tracking.pop(mod, None)
-
-            self._forget_handles.append(module.register_forward_pre_hook(forget, prepend=True))
-
-    return Tracker
-
-
-@contextlib.contextmanager
-def process_group(world: int, fake: bool, device: str = "cpu"):
-    """A default process group for one configuration, destroyed after it: the fake backend
-    (collectives do nothing) at any world size, or a real one-rank group (gloo / nccl)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        raise RuntimeError("benchmarks.memory needs the default process group to itself")
-    if fake:
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    else:
-        if world != 1:
-            raise ValueError("a real run is one process: FSDP size 1")
-        backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def _selective_ac():
-    """torchtitan's SelectiveAC with CPU flash attention in its save list (it lists the GPU's
-    flash / efficient / FlexAttention ops; the fake step runs the CPU one in their place)."""
-    from torchtitan.distributed.activation_checkpoint import SelectiveAC
-
-    class CpuFlashSelectiveAC(SelectiveAC):
-        def get_save_ops(self) -> set:
-            return super().get_save_ops() | {
-                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-            }
-
-    return CpuFlashSelectiveAC(SelectiveAC.Config())
-
-
-def apply_ac(model, mode: str) -> None:
-    """The AC mode on every entry of ``model.layers`` (one sublayer each), as torchtitan does."""
-    from torchtitan.distributed.activation_checkpoint import FullAC
-
-    if mode == "full":
-        FullAC.Config().build().apply(model)
-    elif mode == "selective":
-        _selective_ac().apply(model)
-    elif mode != "none":
-        raise ValueError(f"ac must be one of {AC_MODES}, got {mode!r}")
-
-
-def build_optimizers(model, case: Case):
-    """The recipe's Muon / AdamW container (``recipe_param_groups``) or one AdamW group."""
-    from titan_lrattnres.components.optimizers import (
-        MuonOptimizersContainer,
-        ParamGroup,
-        recipe_param_groups,
-    )
-
-    if case.optimizer == "recipe":
-        config = recipe_param_groups(
-            case.variant, implementation=case.implementation, ortho_dtype=case.ortho_dtype
-        )
-    elif case.optimizer == "adamw":
-        kwargs = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-        group = ParamGroup(pattern=".*", optimizer_name="AdamW", optimizer_kwargs=kwargs)
-        config = MuonOptimizersContainer.Config(
-            param_groups=[group], implementation=case.implementation
-        )
-    else:
-        raise ValueError(f"optimizer must be recipe or adamw, got {case.optimizer!r}")
-    return config.build(model_parts=[model])
-
-
-def build_loss(model, case: Case):
-    """torchtitan's chunked LM head + loss (the model returns the final hidden states)."""
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-
-    if case.z_loss:
-        from titan_lrattnres.components.zloss import ZLossCrossEntropy
-
-        inner = ZLossCrossEntropy.Config(z_loss_weight=case.z_loss)
-    else:
-        inner = CrossEntropyLoss.Config()
-    loss = ChunkedLossWrapper.Config(num_chunks=case.loss_chunks, loss_fn=inner).build()
-    loss.set_lm_head(model.lm_head)
-    model._skip_lm_head = True
-    return loss
-
-
-def build(case: Case, mesh, device: str = "cpu"):
-    """(model, optimizers, loss, tokens, labels) of ``case``: the model built, AC applied,
-    FSDP2 over ``mesh``, the optimizer state materialized."""
-    from torchtitan.components.optimizer.utils import init_optim_state
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
-    from titan_lrattnres.model.registry import FLAVORS, build_model_config
-
-    flavor = FLAVORS[case.flavor]
-    blocks = None if case.blocks is None else min(case.blocks, 2 * flavor.n_layers)
-    schedule = {"blocks": blocks} if case.block_layers is None else {}
-    config = build_model_config(
-        case.flavor,
-        variant=case.variant,
-        block_layers=case.block_layers,
-        rank=min(case.rank or 64, flavor.dim),  # the baseline's: unused
-        attn_backend="sdpa",
-        **schedule,
-    )
-    # as the model config does under the trainer: with AC every read is recomputed in the
-    # backward and the sublayer reading h keeps no copy of it
-    config.router.recompute_reads = case.ac != "none"
-    dev = torch.device(device)
-    with torch.device(dev):
-        model = config.build()
-    model.init_states(buffer_device=dev)
-    model.train()
-    apply_ac(model, case.ac)
-    apply_fsdp_to_decoder(
-        model,
-        mesh,
-        param_dtype=DTYPES[case.dtype],
-        reduce_dtype=torch.float32,
-        pp_enabled=False,
-        cpu_offload=False,
-        reshard_after_forward_policy="default",
-    )
-    optimizers = build_optimizers(model, case)
-    for opt in optimizers:
-        init_optim_state(opt)
-    loss_fn = build_loss(model, case)
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, flavor.vocab_size, (case.batch, case.seq + 1), generator=g)
-    tokens, labels = data[:, :-1].contiguous().to(dev), data[:, 1:].contiguous().to(dev)
-    return model, optimizers, loss_fn, tokens, labels
-
-
-def train_step(model, optimizers, loss_fn, tokens, labels, max_norm: float):
-    """torchtitan's ``train_step`` without the data loader and the logging."""
-    from torchtitan.distributed import utils as dist_utils
-
-    optimizers.zero_grad(set_to_none=True)
-    global_valid_tokens = torch.tensor(labels.numel(), device=labels.device)
-    pred = model(tokens)
-    loss, _ = loss_fn(pred, labels, global_valid_tokens)
-    del pred
-    loss.backward()
-    dist_utils.clip_grad_norm_(list(model.parameters()), max_norm, foreach=True)
-    optimizers.step()
-    return loss
-
-
-def device_snapshot(snaps: dict, device: str) -> dict:
-    """The tracker's snapshot of ``device`` among its per-device ones (a CUDA step also holds a
-    few host tensors, which get an entry of their own: left out, as the prediction has none)."""
-    kind = torch.device(device).type
-    mine = [snap for d, snap in snaps.items() if torch.device(d).type == kind]
-    if len(mine) != 1:
-        raise RuntimeError(f"expected one {kind} snapshot, got devices {list(snaps)}")
-    return mine[0]
-
-
-def track(case: Case, device: str = "cpu", fake: bool = True, step_hook=None) -> dict:
-    """The tracked step of ``case`` (a process group must be up): peak total, the categories at
-    the peak and each one's own maximum, in bytes. ``step_hook``: a context manager entered
-    around the tracked step alone (the real run's independent measure)."""
-    import torch.distributed as dist
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
-
-    world = dist.get_world_size()
-    mesh = init_device_mesh(torch.device(device).type, (world,), mesh_dim_names=("fsdp",))
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        model, optimizers, loss_fn, tokens, labels = build(case, mesh, device)
-        tracker = _tracker_class()(model, optimizers)
-        tracker.track_inputs((tokens, labels))
-        with step_hook() if step_hook else contextlib.nullcontext(), tracker:
-            tracker.allow_repeated_calls(model.lm_head)
-            train_step(model, optimizers, loss_fn, tokens, labels, case.max_norm)
-        snaps = tracker.get_tracker_snapshot("peak")
-    snap = device_snapshot(snaps, device)
-    raw = {_reftype_name(k): v for k, v in snap.items() if _reftype_name(k) != "Total"}
-    maxima = tracker.category_max
-    return {
-        "peak": snap["Total"],
-        "at_peak": _grouped(raw),
-        "max": {g: maxima.get(g, 0) for g in GROUPS},
-        "raw_at_peak": raw,
-        "raw_max": {k: v for k, v in maxima.items() if k not in GROUPS and k != "Total"},
-        "optimizers": sorted({type(o).__name__ for o in optimizers}),
-    }
-
-
-def measure(case: Case, fallback: bool = True) -> dict:
-    """``track`` of ``case`` under fake tensors on a fake process group of ``case.fsdp`` ranks.
-    If the recipe's optimizer fails there, AdamW in its place (``optimizer_note`` says why)."""
-    t0 = time.perf_counter()
-    try:
-        with process_group(case.fsdp, fake=True):
-            out = track(case)
-        out["optimizer"] = case.optimizer
-    except Exception as error:
-        if not (fallback and case.optimizer == "recipe"):
-            raise
-        why = traceback.format_exc(limit=3).strip().splitlines()[-1]
-        try:
-            with process_group(case.fsdp, fake=True):
-                out = track(replace(case, optimizer="adamw"))
-        except Exception:
-            raise error from None  # not the optimizer's failure
-        out["optimizer"] = "adamw"
-        out["optimizer_note"] = f"the recipe's Muon failed under fake tensors ({why})"
-    out["seconds"] = time.perf_counter() - t0
-    return out
-
-
-def _profiled_peak(prof, window: str) -> int:
-    """Peak bytes live during the ``window`` range of a CPU profile with ``profile_memory``:
-    the allocation events in time order, each free subtracting what its pointer was given in
-    this profile (a free of an earlier allocation is not this profile's)."""
-    from torch._C._profiler import _EventType
-
-    events, spans, stack = [], [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        node = stack.pop()
-        if node.typed[0] == _EventType.Allocation:
-            fields = node.typed[1]
-            events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
-        elif node.name == window:
-            spans.append((node.start_time_ns, node.end_time_ns))
-        stack.extend(node.children)
-    ((start, end),) = spans
-    live, total, peak = {}, 0, 0
-    for t, size, ptr in sorted(events, key=lambda e: e[0]):
-        if size > 0:
-            live[ptr] = size
-            total += size
-        elif ptr in live:
-            total -= live.pop(ptr)
-        if start <= t <= end:
-            peak = max(peak, total)
-    return peak
-
-
-def measure_real(case: Case, device: str = "cpu") -> dict:
-    """``track`` of ``case`` on real tensors (one process: FSDP size 1 on a one-rank gloo / nccl
-    group), plus ``measured_peak``, the step's peak measured apart from the tracker: on CUDA
-    ``torch.cuda.max_memory_allocated()`` over the step less what was allocated before the model
-    was built; on the CPU the profiler's allocation events (``profile_memory``) from before the
-    model was built, the most bytes live at once during the step."""
-    if case.fsdp != 1:
-        raise ValueError("a real run is one process: fsdp=1")
-    t0 = time.perf_counter()
-    if torch.device(device).type == "cuda":
-        gc.collect()  # an earlier run's garbage, freed during this step, would lower its peak
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-
-        @contextlib.contextmanager
-        def window():
-            torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            yield
-
-        with process_group(1, fake=False, device=device):
-            out = track(case, device, fake=False, step_hook=window)
-            torch.cuda.synchronize(device)
-        out["measured_peak"] = torch.cuda.max_memory_allocated(device) - before
-        out["measured_by"] = "torch.cuda.max_memory_allocated"
-    else:
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with process_group(1, fake=False):
-                out = track(case, device, fake=False,
-                            step_hook=lambda: record_function("tracked_step"))  # fmt: skip
-        out["measured_peak"] = _profiled_peak(prof, "tracked_step")
-        out["measured_by"] = "torch.profiler CPU allocation events"
-    out["seconds"] = time.perf_counter() - t0
-    return out
+    variant, blocks, rank = parse_variant(name)
+    if variant == "attnres":
+        rank = FLAVORS[kw.get("flavor", Case.flavor)].dim
+    return Case(variant=variant, blocks=blocks, rank=rank, **kw)
 
 
 def cases(flavor, variants, ac_modes, fsdp_sizes, **kw) -> list[tuple[str, Case]]:
-    return [(name, Case.named(name, flavor=flavor, ac=ac, fsdp=w, **kw))
+    return [(name, named_case(name, flavor=flavor, ac=ac, fsdp=w, **kw))
             for w in fsdp_sizes for ac in ac_modes for name in variants]  # fmt: skip
 
 

@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.meta import environment, write
 from titan_lrattnres.components.optimizers import recipe_param_groups
-from titan_lrattnres.model.registry import model_registry
+from titan_lrattnres.spec import model_registry
 from train_configs.common import param_groups
 
 MODEL = dict(variant="sliced", blocks=4, rank=32, depth_backend="reference")

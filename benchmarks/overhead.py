@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from benchmarks.meta import environment, write
 from benchmarks.ops import _sync
+from titan_lrattnres.evaluation.memory import AC_MODES  # noqa: F401  (benchmarks.overhead.AC_MODES)
 
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
@@ -75,7 +76,6 @@ def parse_variant(name: str) -> tuple[str, int | None, int]:
 
 
 DEFAULT_VARIANTS = tuple(VARIANTS)
-AC_MODES = ("none", "selective", "full")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -124,7 +124,7 @@ def build(
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
-    from benchmarks.memory import apply_ac
+    from titan_lrattnres.evaluation.memory import apply_ac
     from titan_lrattnres.model.registry import Flavor, build_model_config
 
     variant, blocks, rank = parse_variant(name)
@@ -172,13 +172,13 @@ def _own_graphs(model) -> None:
     keeps graphs per code object and walks their guards on every call: the variants built in
     one process would otherwise share one list of graphs (the slowest for the first built) and
     its recompile limit, where a training run has its one model's graphs."""
-    from titan_lrattnres.evaluation.generate import _own_code
+    from custom_ops.ops import own_code
 
     classes = {}
     for unit in model.layers.values():
         cls = type(unit)
         if cls not in classes:
-            classes[cls] = type(cls.__name__, (cls,), {"forward": _own_code(cls.forward)})
+            classes[cls] = type(cls.__name__, (cls,), {"forward": own_code(cls.forward)})
         unit.__class__ = classes[cls]
 
 

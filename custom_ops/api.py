@@ -10,9 +10,11 @@ Range (``tests/custom_ops/test_extreme_inputs.py``, every backend): values and k
 magnitude from 1e-30 to 1e4 in fp32 and up to the largest finite value in fp16 / bf16, query
 norms from 1e-2 to 1e3 (1e5 to give one source a lead of 1e4 in logit): h, lse and RMSNorm(h)
 are finite and within the dtype's tolerance of the float64 maths (the key and h norms cannot
-overflow). So are the gradients while ``<dh, v>`` fits fp32 (bf16 values up to ~1e30). A routing
-weight below fp32's smallest normal (2^-126) is 0, and so is all it carries. The fused CPU
-kernels (fp32 only) square h for RMSNorm(h) in fp32: values up to ~1e19 there.
+overflow: one policy on every backend, ``reference.key_rmsnorm``; keys are tested to the largest
+fp32 value). So are the gradients while ``<dh, v>`` fits fp32 (bf16 values up to ~1e30). A
+routing weight below fp32's smallest normal (2^-126) is 0, and so is all it carries. The fused
+CPU kernels (fp32 only) square h for RMSNorm(h) in fp32 (values up to ~1e19 there), and their key
+gradients reach fp32 keys up to ~1e18.
 
 Non-finite inputs: a NaN or inf in one token's values, keys, ``out1``, ``lse1`` or partial stays
 in that token. Every other token's outputs and value / key / out1 / lse1 gradients are bit for
@@ -27,7 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from custom_ops import ops, reference
-from custom_ops.reference import DEFAULT_EPS
+from custom_ops.reference import DEFAULT_EPS, _eps
 
 BACKENDS = ops.BACKENDS
 
@@ -40,27 +42,18 @@ def _backend(backend: str, like: torch.Tensor) -> str:
     return backend
 
 
-def _eps(eps: float | None) -> float:
-    return DEFAULT_EPS if eps is None else float(eps)
-
-
 def _route(tensors) -> str:
     """How a call with these tensors runs: ``"op"`` (the registered op: traces, modes, tensor
     subclasses), ``"twin"`` (plain eager tensors with an autograd graph to record: the op's
     ``torch.autograd.Function`` twin, ``ops._eager_twin``) or ``"direct"`` (plain, nothing to
     record: the implementation itself). Twin and direct compute the op's own function; they
-    only skip the registered op's ~0.1 ms of dispatch, more than a one-token read costs (cached
-    decoding makes ~2L such calls per token, a training step ~4L)."""
+    only skip the registered op's dispatch, which costs more than a one-token read (cached
+    decoding and a training step make a few such calls per layer; docs/performance.md)."""
     if not ops.plain(*tensors):
         return "op"
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "twin"
     return "direct"
-
-
-def _direct(*tensors) -> bool:
-    """Whether a call may run the op's implementation without the dispatcher or autograd."""
-    return _route(tensors) == "direct"
 
 
 def _call(op, eager, direct, *args):
@@ -153,7 +146,7 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split:
     ``split``: out as the list of its c sites' ``[..., d]`` views instead. The numbers are the
     same; the backward then takes each site's gradient where it lies, where ``out.unbind(0)``
     makes autograd stack the c gradients into a ``[c, ..., d]`` copy first (a whole extra
-    pass over them: measured ~12 ms of a 4 s CPU step at L=24).
+    pass over them).
     """
     values = list(values)
     keys = None if keys is None else list(keys)

@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.reference import DEFAULT_EPS
-
-NORM_EPS = DEFAULT_EPS  # the eps of RMSNorm(h): the key norm's default
-_HUGE = 2.0**40  # rows holding an entry at least this large are rescaled before any square
+from custom_ops.reference import DEFAULT_EPS, NORM_DOWN, NORM_HUGE_SUMSQ
 
 
 def _key(values, keys, s: int, rank: int) -> torch.Tensor:
@@ -40,13 +37,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _prescaled(x: torch.Tensor):
-    """``(x·scale, scale [n, 1])`` for rows ``x [n, w]`` fp32: ``scale`` is 1 unless a row holds
-    an entry >= 2^40, then the power of two that brings its largest entry to ~2^20 (exact).
-    Squares of entries up to 3.4e38 then neither overflow fp32 nor does rstd² underflow, and eps
-    (< 2^-50 of such a row's mean square) changes nothing: RMSNorm(x·scale) = RMSNorm(x)."""
-    amax = x.abs().amax(-1, keepdim=True)
-    shift = 20 - torch.frexp(amax).exponent
-    scale = torch.where(amax >= _HUGE, torch.ldexp(torch.ones_like(amax), shift), 1.0)
+    """``(x·scale, scale [n, 1])`` for rows ``x [n, w]`` fp32, the norms' overflow policy
+    (``reference.key_rmsnorm``): ``scale`` is ``NORM_DOWN`` (2^-72) for a row whose sum of
+    squares reaches ``NORM_HUGE_SUMSQ`` (2^120), else 1. The callers add eps·scale², which is
+    0 in fp32 for a scaled row: such a row takes no eps, as the policy says."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    scale = torch.where(norm * norm >= NORM_HUGE_SUMSQ, NORM_DOWN, 1.0).to(x.dtype)
     return x * scale, scale
 
 
@@ -56,8 +52,9 @@ def _key_rstd(key: torch.Tensor, eps: float):
     the raw key is ``scale`` times k's. k̄ is never materialised: the logits are scaled after the
     matmul instead."""
     k, scale = _prescaled(_rows(key).float())
+    scale = scale[:, 0]
     norm = torch.linalg.vector_norm(k, dim=-1)  # one fused reduction, no [n, r] temporary
-    return k, torch.rsqrt(norm * norm / k.shape[-1] + eps), scale[:, 0]
+    return k, torch.rsqrt(norm * norm / k.shape[-1] + eps * scale * scale), scale
 
 
 def _logits(values, keys, q, eps: float):
@@ -93,11 +90,13 @@ def _add_key_grad(target, dlogit, logit, k, rstd, scale, q):
     """``target += ∂(Σ_c dℓ_c ℓ_c)/∂key`` for ``ℓ_c = <q_c, k·rstd>``, ``k = key·scale``
     (``dlogit, logit [C, n]``, ``k [n, r]``, ``target [n, r]``, in place), returns ``dq [C, r]``.
     RMSNorm backward with ``Σ_r (Σ_c dℓ_c q_c) k̄ = Σ_c dℓ_c ℓ_c``:
-    ``dk = rstd·dℓᵀq - k·rstd²·Σ_c dℓ_c ℓ_c / r``, times ``scale`` for the raw key."""
+    ``dk = rstd·dℓᵀq - k̄·g`` with ``k̄ = k·rstd``, ``g = rstd·Σ_c dℓ_c ℓ_c / r``, times
+    ``scale`` for the raw key (the kernels' ``common.key_grad``)."""
     scaled = dlogit * rstd  # [C, n]
     target.addmm_((scaled * scale).t(), q)
-    coef = (dlogit * logit).sum(0) * rstd * rstd * scale / k.shape[-1]
-    target.addcmul_(k, coef.unsqueeze(-1), value=-1)
+    coef = (dlogit * logit).sum(0) * rstd / k.shape[-1] * scale
+    # k̄·g, not k·(rstd²·...): rstd² underflows for |k| from ~2^63
+    target.addcmul_(k * rstd.unsqueeze(-1), coef.unsqueeze(-1), value=-1)
     return scaled @ k
 
 
@@ -146,10 +145,11 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
 
 
 def rmsnorm_fp32(h: torch.Tensor) -> torch.Tensor:
-    """Parameter-free RMSNorm of the (already rounded) h, fp32, eps = finfo(fp32).eps (rows
-    with entries >= 2^40 rescaled first, as keys are: ``_prescaled``)."""
-    x = _prescaled(_rows(h).float())[0].view(h.shape)
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+    """Parameter-free RMSNorm of the (already rounded) h, fp32, eps = finfo(fp32).eps, under the
+    keys' overflow policy (``_prescaled``)."""
+    x, scale = _prescaled(_rows(h).float())
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + DEFAULT_EPS * scale * scale)
+    return x.view(h.shape)
 
 
 def _merge_weights(lse1, pk, q, eps: float):
@@ -197,7 +197,7 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     dh = None if grad_h is None else _rows(grad_h).float()  # read-only: no copy when fp32
     if grad_norm is not None and grad_norm.numel() > 0:
         hf, hscale = _prescaled(_rows(h).float())
-        hrstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + NORM_EPS)
+        hrstd = torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + DEFAULT_EPS * hscale * hscale)
         y, gy = hf * hrstd, _rows(grad_norm).float()
         dnorm = (hscale * hrstd) * (gy - y * (gy * y).mean(-1, keepdim=True))
         dh = dnorm if dh is None else dh + dnorm

@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import types
 
 import torch
 
@@ -53,13 +55,26 @@ BACKENDS = ("reference", "compiled", "triton", "auto")
 # --------------------------------------------------------------------------- kernels per impl
 
 
+_instances = itertools.count()
+
+
+def own_code(fn):
+    """``fn`` as a function with a code object of its own.
+
+    Dynamo keeps compiled graphs per code object, and a call walks their guards until one set
+    passes; after the cache limit (8 graphs) every new function or shape runs uncompiled. A
+    decorator's wrapper has one code object for every function it decorates, and one function
+    compiled twice (a model's forward, once per model) shares its code object with itself: each
+    compiled copy from ``own_code`` keeps its own graphs and checks only its own guards."""
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_instances)}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 def compile_own(fn, **options):
-    """``torch.compile`` of a ``torch.no_grad``-decorated function, from the function's own code.
-    Dynamo keeps compiled graphs per code object, and the decorator's wrapper has one code object
-    for every decorated function: compiled as they are, ``read_fwd``, ``read_bwd`` and the rest
-    share one cache, and after its limit (8 graphs) every new function or shape runs uncompiled.
-    So the undecorated function is compiled and called under ``no_grad``."""
-    compiled = torch.compile(inspect.unwrap(fn), **options)
+    """``torch.compile`` of a ``torch.no_grad``-decorated function (``read_fwd``, ``read_bwd``
+    and the rest): the undecorated function, from its own code (``own_code``), called under
+    ``no_grad``."""
+    compiled = torch.compile(own_code(inspect.unwrap(fn)), **options)
 
     @functools.wraps(fn)
     def call(*args):
@@ -252,7 +267,8 @@ def read(values, keys, query, eps: float, impl: str, bank: bool):
 
 
 def _read_op(name: str, sliced: bool, bank: bool):
-    """Registers one forward read op; every variant shares the generic query-bank kernels."""
+    """Registers one forward read op (``torch.ops.lrattnres.<name>``); returns its eager twins
+    ``(twin, split twin or None)``. Every variant shares the generic query-bank kernels."""
 
     def run(values, keys, query, eps, impl):
         return read(values, None if sliced else keys, query, eps, impl, bank)
@@ -314,7 +330,7 @@ def _read_op(name: str, sliced: bool, bank: bool):
     op.register_autograd(backward, setup_context=setup_context)
     twin = _eager_twin(name, fn, setup_context, backward, tensorlists=True)
     if not bank:
-        return op, twin, None
+        return twin, None
 
     def split_fn(*inputs):  # the op's function, out given as its c sites' views
         out, lse = fn(*inputs)
@@ -324,7 +340,7 @@ def _read_op(name: str, sliced: bool, bank: bool):
         setup_context(ctx, inputs, (None, output[1]))
 
     split = _eager_twin(f"{name}_split", split_fn, split_setup, backward, tensorlists=True)
-    return op, twin, split
+    return twin, split
 
 
 def _read_backward_impl(
@@ -359,14 +375,10 @@ def _(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
     return [_empty(v) for v in values], [_empty(k) for k in keys], _empty(queries)
 
 
-depth_read_op, depth_read_eager, _ = _read_op("depth_read", sliced=False, bank=False)
-depth_read_sliced_op, depth_read_sliced_eager, _ = _read_op(
-    "depth_read_sliced", sliced=True, bank=False
-)
-block_read_op, block_read_eager, block_read_split_eager = _read_op(
-    "block_read", sliced=False, bank=True
-)
-block_read_sliced_op, block_read_sliced_eager, block_read_sliced_split_eager = _read_op(
+depth_read_eager, _ = _read_op("depth_read", sliced=False, bank=False)
+depth_read_sliced_eager, _ = _read_op("depth_read_sliced", sliced=True, bank=False)
+block_read_eager, block_read_split_eager = _read_op("block_read", sliced=False, bank=True)
+block_read_sliced_eager, block_read_sliced_split_eager = _read_op(
     "block_read_sliced", sliced=True, bank=True
 )
 

@@ -21,6 +21,9 @@ import torch
 
 # custom_ops' one fp32 norm eps (the keys' default, the merge's RMSNorm(h)); others import it
 DEFAULT_EPS = torch.finfo(torch.float32).eps
+# The RMSNorms' overflow policy, followed by every backend (see ``key_rmsnorm``)
+NORM_HUGE_SUMSQ = 2.0**120  # a row whose fp32 sum of squares reaches this ...
+NORM_DOWN = 2.0**-72  # ... is normalised from x·NORM_DOWN: (2^128·2^-72)²·4096 < 2^127
 
 
 def _eps(eps: float | None) -> float:
@@ -49,18 +52,29 @@ def _check(
 
 
 def key_rmsnorm(key: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """Parameter-free RMSNorm over the last dim, computed (and returned) in fp32.
+    """Parameter-free RMSNorm over the last dim, ``k / sqrt(mean(k²) + eps)``, computed (and
+    returned) in fp32.
 
-    A row whose largest |entry| is >= 1 is first scaled by the power of two that brings it into
-    [0.5, 1), and eps by its square: the same norm (bit for bit: scaling by 2^-e is exact), but
-    neither k² (from |k| ~ 2^64; bf16 reaches 2^128) nor, in autograd, a gradient times k
-    overflows.
+    The overflow policy of every RMSNorm in custom_ops (keys on every backend, and the merge's
+    RMSNorm(h)): k² overflows fp32 from |k| ~ 2^64 (fp32 and bf16 reach 2^128). A row whose fp32
+    sum of squares reaches ``NORM_HUGE_SUMSQ`` = 2^120 (inf included) is normalised from
+    k·``NORM_DOWN`` = k·2^-72 instead, without eps (below 2^-90 of its mean square there): the
+    same norm (scaling by a power of two is exact), no square above 2^124. Every other row, tiny
+    ones included, is normalised as it is, with eps. The test holding each backend to it:
+    ``tests/custom_ops/test_extreme_inputs.py`` (``test_norm_policy``).
+
+    Written as ``k / hypot(rms(k), sqrt(eps))`` from the row's norm, not
+    ``k·rsqrt(mean(k²) + eps)``: autograd then never forms rstd³, which underflows fp32 from
+    |k| ~ 2^42 (the kernels write their backward with k̄ = k·rstd for the same reason).
     """
     k = key.float()
-    exponent = torch.frexp(k.abs().amax(-1, keepdim=True)).exponent.clamp(min=0)
-    down = torch.ldexp(torch.ones_like(k[..., :1]), -exponent)
-    k = k * down
-    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + _eps(eps) * down * down)
+    with torch.no_grad():  # the policy's per-row choice: no gradient of its own
+        big = k.pow(2).sum(-1, keepdim=True) >= NORM_HUGE_SUMSQ
+        scale = torch.where(big, NORM_DOWN, 1.0).to(k.dtype)
+        root_eps = torch.where(big, 0.0, _eps(eps) ** 0.5).to(k.dtype)
+    k = k * scale
+    rms = torch.linalg.vector_norm(k, dim=-1, keepdim=True) / k.shape[-1] ** 0.5
+    return k / torch.hypot(rms, root_eps)
 
 
 def sliced_keys(values: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
@@ -138,6 +152,8 @@ def depth_read_two_phase(values, keys, query, split: int, eps=None):
 
 __all__ = [
     "DEFAULT_EPS",
+    "NORM_DOWN",
+    "NORM_HUGE_SUMSQ",
     "key_rmsnorm",
     "sliced_keys",
     "depth_logits",

@@ -1,4 +1,4 @@
-"""Depth-source schedule of LR-AttnRes (docs/method.md §3): block ends and source counts.
+"""Depth-source schedule of LR-AttnRes (docs/method.md §3): block ends and the source sets.
 
 Sublayers are numbered j = 1..M (M = 2L; odd j = attention, even j = MLP). Read site t in 0..M
 produces the input of sublayer t+1; site M is the final read.
@@ -84,6 +84,29 @@ def schedule_ends(
     return block_ends(num_sublayers, num_blocks)
 
 
+def source_sets(
+    num_sublayers: int, num_blocks: int | None = None, block_layers: int | None = None
+) -> list[tuple[int, bool]]:
+    """The walk of the source sets over read sites t = 0..M: ``(completed, partial)`` per site,
+    ``S_t`` = the embedding, ``completed`` completed sources (blocks; Full: sublayer outputs)
+    and, when ``partial``, the running sum of the incomplete block.
+
+    After sublayer j the running sum takes its output, and at a block end it becomes the next
+    completed source. The one walk of a schedule: :func:`site_sources` and
+    :func:`source_counts` read it, and ``DepthRouter.step`` does the same with tensors (at the
+    ends it precomputes from :func:`schedule_ends`; a test holds the two together).
+    """
+    ends = set(schedule_ends(num_sublayers, num_blocks, block_layers))
+    walk, completed, partial = [(0, False)], 0, False
+    for j in range(1, num_sublayers + 1):
+        if j in ends:
+            completed, partial = completed + 1, False
+        else:
+            partial = True
+        walk.append((completed, partial))
+    return walk
+
+
 def site_sources(
     t: int, num_sublayers: int, num_blocks: int | None, *, block_layers: int | None = None
 ) -> list[tuple[str, int]]:
@@ -95,14 +118,10 @@ def site_sources(
     """
     if not 0 <= t <= num_sublayers:
         raise ValueError(f"read site must be in [0, {num_sublayers}], got {t}")
-    sources = [("embedding", 0)]
-    if num_blocks is None and block_layers is None:
-        return sources + [("output", j) for j in range(1, t + 1)]
-    ends = schedule_ends(num_sublayers, num_blocks, block_layers)
-    completed = sum(1 for e in ends if e <= t)
-    sources += [("block", n) for n in range(1, completed + 1)]
-    start = ends[completed - 1] if completed else 0
-    if t > start:
+    completed, partial = source_sets(num_sublayers, num_blocks, block_layers)[t]
+    kind = "output" if num_blocks is None and block_layers is None else "block"
+    sources = [("embedding", 0), *((kind, n) for n in range(1, completed + 1))]
+    if partial:
         sources.append(("partial", completed + 1))
     return sources
 
@@ -111,18 +130,8 @@ def source_counts(
     num_layers: int, num_blocks: int | None, *, block_layers: int | None = None
 ) -> list[int]:
     """``|S_t|`` for read sites t = 1..2L (``num_blocks`` and ``block_layers`` None = Full)."""
-    m = 2 * num_layers
-    if num_blocks is None and block_layers is None:
-        return [t + 1 for t in range(1, m + 1)]
-    ends = set(schedule_ends(m, num_blocks, block_layers))
-    counts, completed, partial = [], 0, False
-    for t in range(1, m + 1):
-        if t in ends:
-            completed, partial = completed + 1, False
-        else:
-            partial = True
-        counts.append(1 + completed + int(partial))
-    return counts
+    walk = source_sets(2 * num_layers, num_blocks, block_layers)
+    return [1 + completed + partial for completed, partial in walk[1:]]
 
 
 __all__ = [
@@ -132,4 +141,5 @@ __all__ = [
     "schedule_ends",
     "site_sources",
     "source_counts",
+    "source_sets",
 ]

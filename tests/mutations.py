@@ -70,14 +70,14 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "missing key norm (reference)": [
         (
             REF,
-            "return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + _eps(eps) * down * down)",
-            "return k / down",
+            "return k / torch.hypot(rms, root_eps)",
+            "return k",
         ),
     ],
     "missing key norm (C kernel)": [
         (
             C,
-            "float rstd = (float)(1.0 / sqrt(sumsq(k, r) / (double)r + eps));",
+            "float rstd = (float)(1.0 / sqrt(ss / (double)r + eps));",
             "float rstd = 1.0f;",
         ),
     ],

@@ -20,7 +20,8 @@ from titan_lrattnres.components.data import register_datasets, tokenizer_dir
 from titan_lrattnres.components.loader import GlobalOrderDataLoader
 from titan_lrattnres.components.metrics import RunMetricsProcessor
 from titan_lrattnres.components.optimizers import MuonOptimizersContainer
-from titan_lrattnres.model.registry import model_registry
+from titan_lrattnres.model.registry import schedule_kwargs
+from titan_lrattnres.spec import model_registry
 from titan_lrattnres.training.trainer import EndValidator, LRAttnResTrainer
 
 DEPTH_BACKEND = "auto"
@@ -100,14 +101,12 @@ def make_config(
     seed: int | None = 0,
 ) -> LRAttnResTrainer.Config:
     """``blocks=N`` (None = Full) or, with ``blocks=None``, ``block_layers=k`` (Block by size: an
-    end every 2k sublayers); both set is refused by ``model_registry``."""
+    end every 2k sublayers); both set is refused by ``model_registry`` (``schedule_kwargs``)."""
     register_datasets()
-    schedule = {"blocks": blocks} if block_layers is None or blocks is not None else {}
     spec = model_registry(
         flavor,
         variant=variant,
-        **schedule,
-        block_layers=block_layers,
+        **schedule_kwargs(blocks, block_layers),
         rank=rank,
         depth_backend=DEPTH_BACKEND,
     )

@@ -30,7 +30,6 @@ from custom_ops.reference import DEFAULT_EPS
 
 # LRATTNRES_CPU_KERNELS=0 (or ENABLED = False): every call left to the composite
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
-NORM_EPS = DEFAULT_EPS  # the eps of the merge's RMSNorm(h): the key norm's default
 _SOURCE = Path(__file__).with_name("depth_read.c")
 ABI = 3  # lrattnres_cpu_abi() of a library this wrapper can call
 _MIN_TOKENS_PER_THREAD = 64
@@ -141,7 +140,7 @@ def _openmp_runtimes() -> set[str]:
 # ----------------------------------------------------------------------------- the entry points
 
 
-# Kept lean: cached decode makes ~100 one-token calls per generated token, a few µs each.
+# Kept lean: cached decode makes many one-token calls per generated token (docs/performance.md).
 _F32, _CPU = torch.float32, torch.device("cpu")
 
 
@@ -162,7 +161,7 @@ def _usable(*tensors) -> bool:
 
 def _empty(shape) -> torch.Tensor:
     """An fp32 CPU buffer, whatever torch's default dtype and device. The sizes go one by one:
-    torch.empty parses a torch.Size ~1 µs slower than ints, more than checking the buffer costs."""
+    torch.empty parses a torch.Size slower than ints, by more than checking the buffer costs."""
     if not len(shape):
         return torch.empty((), dtype=_F32, device=_CPU)
     return torch.empty(*shape, dtype=_F32, device=_CPU)
@@ -170,8 +169,8 @@ def _empty(shape) -> torch.Tensor:
 
 def _rows(x):
     """``(tensor, row stride)`` of ``rows(x)``; the tensor keeps a copy alive. A contiguous x is
-    passed as it is: a view is a dispatcher call, ~10 µs, several times that between a training
-    step's matmuls, and each op here would otherwise make several."""
+    passed as it is: a view is a dispatcher call, which costs more than the gap between a
+    training step's matmuls, and each op here would otherwise make several."""
     if x.is_contiguous():
         return x, x.shape[-1]
     x2 = rows(x)
@@ -267,7 +266,7 @@ def merge_fwd(out1, lse1, partial_value, partial_key, query, eps: float, emit_no
     norm = _empty(shape) if emit_norm else h.new_empty(0)
     o1, o1s, pv, pvs, pk, pks = _merge_inputs(out1, partial_value, partial_key, rank)
     call(lib, "merge_fwd", n=n, d=d, r=rank, o1=o1, o1s=o1s, lse1=lse, pv=pv, pvs=pvs, pk=pk,
-         pks=pks, q=q, eps=float(eps), norm_eps=NORM_EPS, h=h, norm=norm if emit_norm else None,
+         pks=pks, q=q, eps=float(eps), norm_eps=DEFAULT_EPS, h=h, norm=norm if emit_norm else None,
          threads=_threads(n))  # fmt: skip
     return h, norm
 
@@ -287,7 +286,7 @@ def merge_bwd(out1, lse1, partial_value, partial_key, query, h, grad_h, grad_nor
     dq = _empty((rank,))
     o1, o1s, pv, pvs, pk, pks = _merge_inputs(out1, partial_value, partial_key, rank)
     call(lib, "merge_bwd", n=n, d=d, r=rank, sliced=int(partial_key is None), o1=o1, o1s=o1s,
-         lse1=lse, pv=pv, pvs=pvs, pk=pk, pks=pks, q=q, eps=float(eps), norm_eps=NORM_EPS,
+         lse1=lse, pv=pv, pvs=pvs, pk=pk, pks=pks, q=q, eps=float(eps), norm_eps=DEFAULT_EPS,
          h=_flat(h), gh=_flat(grad_h), gn=_flat(grad_norm), d_o1=d_o1, d_lse1=d_lse, d_pv=d_pv,
          d_pk=d_pk, dq=dq, threads=_threads(n))  # fmt: skip
     return d_o1, d_lse, d_pv, d_pk, dq

@@ -105,10 +105,24 @@ static void prefetch_row(const float *row, int64_t n) {
     for (int64_t b = 0; b < n; b += 16) __builtin_prefetch(row + b, 0, 2);
 }
 
-/* rstd of one key row and its logits against the C queries: l[c] = rstd * <q_c, k>. */
+/* rstd of one key row and its logits against the C queries: l[c] = rstd * <q_c, k>.
+ * The RMSNorms' overflow policy (custom_ops.reference.key_rmsnorm): a row whose sum of squares
+ * reaches 2^120 is normalised from k * 2^-72 without eps. In double the sum needs no scaling
+ * (that is this sum times 2^-144, exactly), but the fp32 dot may overflow there: that rare row
+ * takes its logits in double. */
 static float key_logits(const float *k, const float *q, int64_t C, int64_t r, double eps,
                         float *l) {
-    float rstd = (float)(1.0 / sqrt(sumsq(k, r) / (double)r + eps));
+    double ss = sumsq(k, r);
+    if (ss >= 0x1p120) {
+        double rstd = 1.0 / sqrt(ss / (double)r);
+        for (int64_t c = 0; c < C; c++) {
+            double s = 0;
+            for (int64_t j = 0; j < r; j++) s += (double)q[c * r + j] * k[j];
+            l[c] = (float)(rstd * s);
+        }
+        return (float)rstd;
+    }
+    float rstd = (float)(1.0 / sqrt(ss / (double)r + eps));
     for (int64_t c = 0; c < C; c++) l[c] = rstd * dot(q + c * r, k, r);
     return rstd;
 }

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from custom_ops.layout import rows
+from custom_ops.reference import NORM_DOWN, NORM_HUGE_SUMSQ
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -193,13 +194,13 @@ def source(
     return v_ptr, v_stride, k_ptr, k_stride
 
 
-# Overflow guard of the RMSNorms (keys, and h in the merge): besides Σx², the kernels sum the
-# squares of x·DOWN, exact in fp32's normal range. A row whose plain sum reaches HUGE_SUMSQ
-# (entries from ~2^57; bf16 and fp32 reach 2^128, whose square overflows) takes the scaled sum,
-# where eps is < 2^-90 of the mean square and so dropped: no overflow, same norm.
-DOWN = tl.constexpr(2.0**-72)  # (2^128·2^-72)² · 4096 columns < 2^127
-UP = tl.constexpr(2.0**72)
-HUGE_SUMSQ = tl.constexpr(2.0**120)
+# The RMSNorms' overflow policy (keys, and h in the merge; ``reference.key_rmsnorm``): besides
+# Σx², the kernels sum the squares of x·DOWN, exact in fp32's normal range. A row whose plain
+# sum reaches HUGE_SUMSQ (entries from ~2^57; bf16 and fp32 reach 2^128, whose square
+# overflows) takes the scaled sum, without eps (< 2^-90 of its mean square): same norm.
+DOWN = tl.constexpr(NORM_DOWN)  # (2^128·2^-72)² · 4096 columns < 2^127
+UP = tl.constexpr(1.0 / NORM_DOWN)
+HUGE_SUMSQ = tl.constexpr(NORM_HUGE_SUMSQ)
 
 
 @triton.jit
@@ -210,6 +211,33 @@ def norm_scales(sumsq, sumsq_down, n, eps):
     # sumsq_down >= 2^-24 where it is used; the floor only keeps the unused branch finite
     inv = tl.where(big, tl.rsqrt(tl.maximum(sumsq_down / n, 1e-30)), tl.rsqrt(sumsq / n + eps))
     return inv, tl.where(big, DOWN, 1.0)
+
+
+@triton.jit
+def key_sums(k, sumsq, sumsq_down):
+    """One r tile ``k [BLOCK_T, BLOCK_R]`` of key rows added to their sums (see ``norm_scales``):
+    returns ``(k·DOWN, sumsq + Σk², sumsq_down + Σ(k·DOWN)²)``; a logit is taken on k·DOWN."""
+    kd = k * DOWN
+    return kd, sumsq + tl.sum(k * k, axis=1), sumsq_down + tl.sum(kd * kd, axis=1)
+
+
+@triton.jit
+def logit_scales(sumsq, sumsq_down, n, eps):
+    """``(scale, rstd)`` of key rows from their ``key_sums`` over n columns: the logit is
+    ``<q, k·DOWN>·scale`` (``scale = rstd·2^72 <= 2^84``: no underflow), ``rstd`` k's RMSNorm
+    scale (from 2^-128 to 2^11.5, may be subnormal)."""
+    inv, down = norm_scales(sumsq, sumsq_down, n, eps)
+    return inv * (down * UP), inv * down
+
+
+@triton.jit
+def key_grad(dlq, k, rstd, g):
+    """``(dk, k̄)`` of one key tile ``k [BLOCK_T, BLOCK_R]`` through its RMSNorm and the logits
+    ``ℓ_c = <q_c, k̄>``: ``dk = rstd·Σ_c dℓ_c q_c - k̄·g``, with ``dlq = Σ_c dℓ_c q_c`` (the tile's
+    columns) and ``g = Σ_c dℓ_c ℓ_c · rstd / r`` per row; query c's gradient is ``Σ_t dℓ_c k̄``."""
+    kbar = k * rstd[:, None]
+    # k̄·g, not k·(rstd·g): rstd² underflows for |k| from ~2^63
+    return rstd[:, None] * dlq - kbar * g[:, None], kbar
 
 
 @triton.jit
@@ -232,7 +260,7 @@ def bank_logits(
 
     Any finite key: the squares are summed as in ``norm_scales`` and the dot products taken on
     k·DOWN (exact, or below fp32's normal range an absolute error < 2^-60 in a logit), so no
-    |k| up to 2^128 overflows; rstd (from 2^-128 to 2^11.5) may be subnormal."""
+    |k| up to 2^128 overflows (``key_sums``, ``logit_scales``)."""
     sumsq = tl.zeros([BLOCK_T], tl.float32)
     sumsq_down = tl.zeros([BLOCK_T], tl.float32)
     dot = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)  # of k·DOWN
@@ -241,10 +269,7 @@ def bank_logits(
         mask_r = offs_r < R
         k = load_tile(k_ptr, offs_t, k_stride, offs_r, mask_t, mask_r)
         q = load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)
-        kd = k * DOWN
-        sumsq += tl.sum(k * k, axis=1)
-        sumsq_down += tl.sum(kd * kd, axis=1)
+        kd, sumsq, sumsq_down = key_sums(k, sumsq, sumsq_down)
         dot += tl.sum(q[:, None, :] * kd[None, :, :], axis=2)
-    inv, down = norm_scales(sumsq, sumsq_down, R, eps)
-    # ℓ = <q, k·DOWN>·(inv·down/DOWN); inv·down/DOWN is rstd·2^72 (<= 2^84): no underflow
-    return dot * (inv * (down * UP))[None, :], inv * down
+    scale, rstd = logit_scales(sumsq, sumsq_down, R, eps)
+    return dot * scale[None, :], rstd

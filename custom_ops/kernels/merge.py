@@ -15,14 +15,13 @@ import triton.language as tl
 from custom_ops.kernels import common
 from custom_ops.reference import DEFAULT_EPS
 
-NORM_EPS = DEFAULT_EPS  # the eps of RMSNorm(h): the key norm's default
-
 
 @triton.jit
 def _partial_logit(
     PK, pk_stride, Q, offs_t, mask_t, R, eps, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr
 ):
-    """``(ℓ, rstd)`` of the partial key, overflow-safe as ``common.bank_logits``."""
+    """``(ℓ, rstd)`` of the partial key: ``common.bank_logits`` for one query (a ``[BLOCK_T]``
+    dot product, no query-bank axis)."""
     sumsq = tl.zeros([BLOCK_T], tl.float32)
     sumsq_down = tl.zeros([BLOCK_T], tl.float32)
     dot = tl.zeros([BLOCK_T], tl.float32)  # of k·DOWN
@@ -31,12 +30,10 @@ def _partial_logit(
         mask_r = offs_r < R
         k = common.load_tile(PK, offs_t, pk_stride, offs_r, mask_t, mask_r)
         q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-        kd = k * common.DOWN
-        sumsq += tl.sum(k * k, axis=1)
-        sumsq_down += tl.sum(kd * kd, axis=1)
+        kd, sumsq, sumsq_down = common.key_sums(k, sumsq, sumsq_down)
         dot += tl.sum(kd * q[None, :], axis=1)
-    inv, down = common.norm_scales(sumsq, sumsq_down, R, eps)
-    return dot * (inv * (down * common.UP)), inv * down
+    scale, rstd = common.logit_scales(sumsq, sumsq_down, R, eps)
+    return dot * scale, rstd
 
 
 @triton.jit
@@ -64,12 +61,12 @@ def _grad_h(DH, H, DN, offs_t, mask_t, offs_d, mask_d, D, inv, down, my, HAS_NOR
 
 @triton.jit
 def _key_grad(dlogit, rstd, g, k, Q, DQ, offs_r, mask_r):
-    """dk of one key tile ``k [BLOCK_T, BLOCK_R]`` (columns ``offs_r``); stores its partial dq."""
+    """``common.key_grad`` of one key tile ``k [BLOCK_T, BLOCK_R]`` (columns ``offs_r``); stores
+    its partial dq."""
     q = tl.load(Q + offs_r, mask=mask_r, other=0.0).to(tl.float32)
-    kbar = k * rstd[:, None]
+    dk, kbar = common.key_grad(dlogit[:, None] * q[None, :], k, rstd, g)
     tl.store(DQ + offs_r, tl.sum(dlogit[:, None] * kbar, axis=0), mask=mask_r)
-    # k̄·g, not k·(rstd·g): rstd² underflows for |k| from ~2^63
-    return (dlogit * rstd)[:, None] * q[None, :] - kbar * g[:, None]
+    return dk
 
 
 @triton.jit
@@ -272,7 +269,7 @@ def merge_fwd_launch(
         _merge_fwd_kernel,
         (triton.cdiv(t, bt),),
         (o1, l1, pv, pk, query.contiguous(), h, norm if emit_norm else h,
-         pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
+         pv.stride(0), pk.stride(0), t, d, rank, eps, DEFAULT_EPS),
         dict(EMIT_NORM=emit_norm, V_ALIGN=v_align, K_ALIGN=k_align,
              BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
@@ -317,7 +314,7 @@ def merge_bwd_launch(
         (programs,),
         (o1, l1, pv, pk, query.contiguous(), h.reshape(t, d).contiguous(), dh, dn,
          d_out1, d_lse1, d_pv, d_pv if d_pk is None else d_pk, dq,
-         pv.stride(0), pk.stride(0), t, d, rank, eps, NORM_EPS),
+         pv.stride(0), pk.stride(0), t, d, rank, eps, DEFAULT_EPS),
         dict(HAS_NORM=has_norm, SLICED=partial_key is None, V_ALIGN=v_align, K_ALIGN=k_align,
              BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,

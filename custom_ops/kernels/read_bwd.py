@@ -35,17 +35,15 @@ def _load_bank_tile(PTR, ct, mask_ct, offs_d, mask_d, D):
 
 @triton.jit
 def _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R):
-    """RMSNorm-through-logits backward of one key tile ``k [BLOCK_T, BLOCK_R]`` (key columns
-    ``offs_r``): returns dk and adds Σ_tokens dℓ_c rstd k to the program's partial dq."""
+    """``common.key_grad`` of one key tile ``k [BLOCK_T, BLOCK_R]`` (key columns ``offs_r``):
+    returns dk and adds Σ_tokens dℓ_c k̄ to the program's partial dq."""
     q = common.load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)
-    dkbar = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
-    kbar = k * rstd[:, None]
+    dk, kbar = common.key_grad(tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0), k, rstd, g)
     dq = tl.sum(dlogit[:, :, None] * kbar[None, :, :], axis=1)
     dq_ptrs = dq_base + offs_c[:, None] * R + offs_r[None, :]
     mask_cr = mask_c[:, None] & mask_r[None, :]
     tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cr, other=0.0) + dq, mask=mask_cr)
-    # k̄·g, not k·(rstd·g): rstd² underflows for |k| from ~2^63
-    return rstd[:, None] * dkbar - kbar * g[:, None]
+    return dk
 
 
 @triton.jit

@@ -27,7 +27,7 @@ TOLERANCE = 0.01  # of the real peak
     ],
 )
 def test_fake_prediction_matches_a_real_cpu_step(name, ac, dtype, optimizer):
-    case = memory.Case.named(name, **dict(SMALL, ac=ac, dtype=dtype, optimizer=optimizer))
+    case = memory.named_case(name, **dict(SMALL, ac=ac, dtype=dtype, optimizer=optimizer))
     fake = memory.measure(case, fallback=False)
     real = memory.measure_real(case)
     assert fake["optimizer"] == optimizer

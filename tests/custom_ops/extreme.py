@@ -116,6 +116,33 @@ def make(case: Extreme, n_queries: int | None = None):
     return [v.requires_grad_() for v in values], keys, q.float().requires_grad_()
 
 
+def policy_sizes(dtype: torch.dtype, r: int = 4) -> list[float]:
+    """Largest |entries| of key rows that span the RMSNorm policy (``custom_ops.reference.
+    key_rmsnorm``) in ``dtype``: from 1e-40 to its largest value, with 2^60/√r (rows of r such
+    entries have a sum of squares of 2^120, where the policy rescales) just below and above."""
+    edge = 2.0**60 / math.sqrt(r)
+    sizes = [1e-40, 1e-30, 1e-20, 1e-3, 1.0, 1e10, 1e18, edge * 0.999, edge * 1.001, 1e20, 1e30]
+    return sizes + [1e38, torch.finfo(dtype).max]
+
+
+def policy_inputs(dtype, size: float, sliced: bool, n_queries: int | None, r: int = 4):
+    """``(values, keys or None, query)`` of one source, two tokens whose key rows' largest
+    |entry| is ``size`` (see ``policy_sizes``): one of r equal entries, one random; values
+    (projected keys) ordinary, d = 2r. Leaves with requires_grad."""
+    top = torch.finfo(dtype).max
+    g = torch.Generator().manual_seed(r)
+    x = torch.randn(2, r, generator=g, dtype=torch.float64)
+    x[0] = 1.0
+    keys = (x / x.abs().amax(-1, keepdim=True) * size).clamp(-top, top).to(dtype)
+    d = 2 * r
+    values = torch.randn(2, d, generator=g, dtype=torch.float64).to(dtype)
+    if sliced:
+        values[:, d - r :] = keys
+    q = torch.randn(*((r,) if n_queries is None else (n_queries, r)), generator=g).float()
+    keys = None if sliced else [keys.requires_grad_()]
+    return [values.requires_grad_()], keys, q.requires_grad_()
+
+
 def sliced_keys(values, r: int):
     return [v[..., v.shape[-1] - r :] for v in values]
 

@@ -60,21 +60,28 @@ def _compare(names, got, want, bounds, n_outputs, kap, with_grads):
 def run_read(case: Extreme, backend: str, c_kernels: bool, n_queries, with_grads=True):
     """The public read (one query or a bank) vs the oracle: out, lse, every gradient."""
     values, keys, query = extreme.make(case, n_queries)
+    check_read(values, keys, query, backend, c_kernels, case.seed, with_grads)
+
+
+def check_read(values, keys, query, backend: str, c_kernels: bool, seed: int, with_grads=True):
+    """``run_read`` of given leaves: values ``[T, d]``, keys ``[T, r]`` or None, query ``[r]``
+    (``depth_read_lse``) or ``[C, r]`` (``block_read``)."""
     inputs = [*values, *(keys or []), query]
-    oracle_keys = keys if keys is not None else extreme.sliced_keys(values, case.r)
+    (tokens, d), r = values[0].shape, query.shape[-1]
+    oracle_keys = keys if keys is not None else extreme.sliced_keys(values, r)
     want = extreme.read(values, oracle_keys, query)
-    ws = extreme.cotangents(want, case.seed)
+    ws = extreme.cotangents(want, seed)
     want_g = extreme.grads(want, ws, inputs)
     *bounds, max_logit = extreme.read_bounds(values, keys, query, ws)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(cpu, "ENABLED", c_kernels)
-        if n_queries is None:
+        if query.dim() == 1:
             got = custom_ops.depth_read_lse(values, keys, query, backend=backend)
         else:
             got = custom_ops.block_read(values, keys, query, backend=backend)
         got_g = extreme.grads(got, ws, inputs)
     names = ["out", "lse", *(f"grad of input {i}" for i in range(len(inputs)))]
-    kap = extreme.kappa(max_logit, case.d + case.r + 3 * len(case.exponents) + case.tokens)
+    kap = extreme.kappa(max_logit, d + r + 3 * len(values) + tokens)
     _compare(names, [*got, *got_g], [*want, *want_g], bounds, 2, kap, with_grads)
 
 
@@ -87,9 +94,16 @@ def run_merge(case: Extreme, backend: str, c_kernels: bool, emit_norm: bool, wit
         o1, l1 = extreme.read(values[:-1], oracle_keys[:-1], query)
     out1, lse1 = o1.float().requires_grad_(), l1.float().requires_grad_()
     pv, pk = values[-1], (None if keys is None else keys[-1])
+    check_merge(out1, lse1, pv, pk, query, backend, c_kernels, emit_norm, case.seed, with_grads)
+
+
+def check_merge(out1, lse1, pv, pk, query, backend, c_kernels, emit_norm, seed, with_grads=True):
+    """``run_merge`` of given leaves (``pk`` None: sliced)."""
+    (tokens, d), r = pv.shape, query.shape[-1]
     inputs = [out1, lse1, pv, *([] if pk is None else [pk]), query]
-    want = extreme.merge(out1, lse1, pv, oracle_keys[-1], query)[: 1 + emit_norm]
-    ws = extreme.cotangents(want, case.seed)
+    oracle_key = extreme.sliced_keys([pv], r)[0] if pk is None else pk
+    want = extreme.merge(out1, lse1, pv, oracle_key, query)[: 1 + emit_norm]
+    ws = extreme.cotangents(want, seed)
     want_g = extreme.grads(want, ws, inputs)
     *bounds, max_logit = extreme.merge_bounds(out1, lse1, pv, pk, query, ws, emit_norm)
     with pytest.MonkeyPatch.context() as mp:
@@ -100,8 +114,45 @@ def run_merge(case: Extreme, backend: str, c_kernels: bool, emit_norm: bool, wit
         got = got if emit_norm else (got,)
         got_g = extreme.grads(got, ws, inputs)
     names = ["h", "RMSNorm(h)"][: len(got)] + [f"grad of input {i}" for i in range(len(inputs))]
-    kap = extreme.kappa(max_logit, case.d + case.r + case.tokens)
+    kap = extreme.kappa(max_logit, d + r + tokens)
     _compare(names, [*got, *got_g], [*want, *want_g], bounds, len(got), kap, with_grads)
+
+
+# The C kernels (fp32 only, whose contract stops at 1e4) keep the policy's logits and norms to
+# the largest fp32 value, their key gradients to ~1e18 (rstd² of a larger key underflows fp32).
+C_KEY_GRADIENTS_UP_TO = 1e18
+
+
+def check_norm_policy(backend: str, c_kernels: bool, dtype: torch.dtype, sliced: bool):
+    """Each size of ``extreme.policy_sizes`` read by one query and by a bank (lse: with one
+    source, the logit) and as a merge's partial key: outputs and every gradient vs the float64
+    oracle (sliced keys near the largest values: forward only, <dh, v> overflows fp32 there)."""
+    for size in extreme.policy_sizes(dtype):
+        grads = not (sliced and size > 1e30)
+        if c_kernels and backend == "compiled" and dtype == torch.float32:
+            grads = grads and size <= C_KEY_GRADIENTS_UP_TO
+        for n_queries in (None, 3):
+            values, keys, query = extreme.policy_inputs(dtype, size, sliced, n_queries)
+            check_read(values, keys, query, backend, c_kernels, 0, with_grads=grads)
+        # the merge's partial key, against an ordinary phase-1 read
+        (pv,), keys, query = extreme.policy_inputs(dtype, size, sliced, None)
+        g = torch.Generator().manual_seed(1)
+        out1 = torch.randn(pv.shape, generator=g).requires_grad_()
+        lse1 = torch.randn(pv.shape[:-1], generator=g).requires_grad_()
+        pk = None if keys is None else keys[0]
+        check_merge(out1, lse1, pv, pk, query, backend, c_kernels, False, 0, with_grads=grads)
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["projected", "sliced"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_norm_policy(backend, dtype, sliced):
+    """The RMSNorm overflow policy (``custom_ops.reference.key_rmsnorm``) on every CPU backend:
+    key rows from 1e-40 to the dtype's largest value, on both sides of the 2^120 sum of squares
+    where the policy rescales."""
+    if backend == "eager" and dtype != torch.float32:
+        pytest.skip("16-bit inputs never reach the C kernels: 'C' already runs the composite")
+    check_norm_policy(*BACKENDS[backend], dtype, sliced)
 
 
 @pytest.mark.parametrize("domain, backend", CASES)

@@ -16,6 +16,7 @@ from tests.custom_ops.test_extreme_inputs import (
     DOMAINS,
     check_confined,
     check_dominating_partial,
+    check_norm_policy,
     merge_call,
     read_call,
     run_merge,
@@ -97,3 +98,10 @@ def test_non_finite_inputs_stay_in_their_tokens(sliced):
     inputs = [out1[0].requires_grad_(), lse1[0].requires_grad_(), values[-1]]
     inputs += ([] if sliced else [keys[-1]]) + [queries[0].detach().requires_grad_()]
     check_confined(merge_call(*TRITON, sliced), inputs, len(inputs) - 1, seed=17)
+
+
+@pytest.mark.parametrize("sliced", [False, True], ids=["projected", "sliced"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_follow_the_norm_policy(dtype, sliced):
+    """``test_extreme_inputs.test_norm_policy`` for the Triton kernels."""
+    check_norm_policy(*TRITON, dtype, sliced)

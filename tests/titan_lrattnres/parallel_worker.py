@@ -1,5 +1,5 @@
 """Launcher for the tensor- and pipeline-parallel tests: ``python parallel_worker.py MODEL
-[trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.training.train`` on ``cpu_smoke``
+[trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke``
 (or another base config: ``main(argv, base=...)``, as ``parallel/recipe_worker.py`` does) with the
 model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
 ``attnres_full``, ``sliced_v1000``) and two test hooks:
@@ -171,7 +171,7 @@ def register(model: str, base=None) -> str:
 
 def main(argv: list[str], base=None) -> int:
     """Train ``argv`` = ``[MODEL, trainer CLI ...]`` on ``base()`` (see :func:`register`)."""
-    from titan_lrattnres.training.train import main as train_main
+    from titan_lrattnres.train import main as train_main
 
     grads = os.environ.get("TP_GRADS")
     if grads:  # the gradients of step 1, before clipping

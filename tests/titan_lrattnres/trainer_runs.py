@@ -1,6 +1,6 @@
 """Several ``python -m titan_lrattnres.train`` runs in one process, for the golden and parity
 tests: one import of torch and torchtitan (~10 s on 2 cores) instead of one per run. Each run
-goes through the project's entry point (``titan_lrattnres.training.train.main``) unchanged: the real
+goes through the project's entry point (``titan_lrattnres.train.main``) unchanged: the real
 Trainer, data, loss, optimizer, LR schedule and checkpointer.
 
     python -m tests.titan_lrattnres.trainer_runs RUNS.json OUT.json
@@ -208,7 +208,8 @@ def _record_fp64_grad_norms() -> None:
 
 
 def main(spec_path: str, out_path: str) -> int:
-    from titan_lrattnres.training import cpu, train
+    from titan_lrattnres import train
+    from titan_lrattnres.training import cpu
 
     cpu.apply()  # before torchtitan is imported
     _record_fp64_grad_norms()

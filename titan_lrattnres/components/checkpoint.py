@@ -34,8 +34,8 @@ from torchtitan.components.checkpointer import AsyncMode, CheckpointManager
 from torchtitan.tools import filesystem
 from torchtitan.tools.logging import logger
 
+from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.components import convert, faults, integrity
-from titan_lrattnres.training import torchtitan_internals as internals
 
 
 class NonFiniteLossError(RuntimeError):

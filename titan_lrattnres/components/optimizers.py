@@ -26,8 +26,8 @@ from torchtitan.components.checkpointer.utils import canonical_fqn
 from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
 from torchtitan.components.optimizer.optimizer import ParamGroupConfig
 
+from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.components.muon import Muon
-from titan_lrattnres.training import torchtitan_internals as internals
 
 MUON_LR, ADAMW_LR = 1e-3, 3e-4
 MLP_INPUT = (("feed_forward.w1.weight", "feed_forward.w3.weight"),)
@@ -52,7 +52,7 @@ class MuonOptimizersContainer(OptimizersContainer):
     class Config(OptimizersContainer.Config):
         pass
 
-    # torchtitan's private hooks, called by its __init__ (training/torchtitan_internals.py)
+    # torchtitan's private hooks, called by its __init__ (titan_lrattnres/torchtitan_internals.py)
     @staticmethod
     def _resolve_optimizer_factory(name: str):
         if name == "Muon":

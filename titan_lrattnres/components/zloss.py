@@ -33,8 +33,8 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.spmd_types import current_spmd_mesh, spmd_mesh_size
 from torchtitan.tools.logging import logger
 
+from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.components.metrics import RunMetricsProcessor
-from titan_lrattnres.training import torchtitan_internals as internals
 
 
 def ce_and_z(pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import itertools
-import types
 
 import torch
 import torch._dynamo.config as _dynamo_config
 import torch.nn.functional as F
+
+from custom_ops.ops import own_code
 
 STATIC_ROWS = 256  # a compiled decode's cache length is a multiple of this (or max_seq_len)
 
@@ -154,18 +154,6 @@ def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     return logits
 
 
-_instances = itertools.count()
-
-
-def _own_code(fn):
-    """``fn`` with a code object of its own. torch.compile keeps compiled graphs per code object
-    and a call walks their guards until one set passes, so with one code object per
-    ``CompiledForward`` a step checks its own model's graphs, never those of every other model
-    compiled in the process (measured at ``cpu_small``: tens of microseconds a step per model)."""
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_instances)}")
-    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-
-
 class CompiledForward:
     """``forward_cached`` compiled: the one-token step as one static-shape graph per batch size
     (``dynamic=False``; on CUDA captured in a CUDA graph) and the prefill as one graph dynamic in
@@ -187,9 +175,9 @@ class CompiledForward:
         )
         self.cuda_graphs = cuda_graphs
         self.decode = torch.compile(
-            _own_code(_forward_cached), fullgraph=True, dynamic=False, options=options
+            own_code(_forward_cached), fullgraph=True, dynamic=False, options=options
         )
-        self.prefill = torch.compile(_own_code(_forward_cached), fullgraph=True, dynamic=True)
+        self.prefill = torch.compile(own_code(_forward_cached), fullgraph=True, dynamic=True)
         self._caches: dict[tuple[int, int], KVCache] = {}
         self._last_step = None  # (cache, tokens' shape / dtype / device) of the last guarded step
 

@@ -31,7 +31,7 @@ import torch
 
 import custom_ops  # noqa: F401  (registers the lrattnres:: ops before any program is loaded)
 from titan_lrattnres.components import convert, integrity
-from titan_lrattnres.model.registry import build_model_config
+from titan_lrattnres.model.registry import ModelIdentity, build_model_config
 
 FORMAT = "lrattnres-safetensors"
 FORMAT_VERSION = 1
@@ -161,13 +161,11 @@ def find_upwards(start: Path, name: str, levels: int = 3) -> Path | None:
 
 
 def model_args_from_summary(summary: dict[str, Any]) -> dict[str, Any]:
-    """Model arguments recorded in a run's ``summary.json`` (written by the trainer)."""
-    args = {k: summary[k] for k in ("flavor", "variant", "blocks", "rank") if k in summary}
-    if summary.get("block_layers") is not None:  # Block by size: no count
+    """Model arguments recorded in a run's ``summary.json`` (written by the trainer from a
+    ``ModelIdentity``); a summary without ``blocks`` leaves ``build_model_config``'s default."""
+    args = ModelIdentity.from_record(summary).model_args()
+    if "blocks" not in summary and summary.get("block_layers") is None:
         args.pop("blocks", None)
-    for k in ("eps", "vocab_size", "block_layers"):
-        if summary.get(k) is not None:
-            args[k] = summary[k]
     return args
 
 

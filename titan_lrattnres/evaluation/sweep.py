@@ -19,12 +19,14 @@ Each config (a name from ``train_configs``) is trained into ``OUT/NAME`` with
   time they take (:mod:`titan_lrattnres.evaluation.machine`, kept in the run's
   ``machine_load.json``); above 0.25 cores, or for a run without that record, the column says
   ``-`` and the JSON keeps the figure;
-- peak memory per rank of one training step as ``python -m benchmarks.memory`` predicts it for
+- peak memory per rank of one training step as :mod:`titan_lrattnres.evaluation.memory` (the
+  model behind ``python -m benchmarks.memory``) predicts it for
   the run's shape (flavor, variant, blocks, rank, seq, local batch; AC mode, parameter dtype,
   optimizer and loss of the run's config; FSDP size = its data-parallel degree), computed once
   per distinct shape (``--no-memory``: not at all). The process's peak RSS, which the trainer
   writes into ``summary.json`` (``peak_rss_mib``: the whole process, allocator caches and
-  libraries included), stays in ``sweep.json`` as ``peak_rss_mib``.
+  libraries included), stays in ``sweep.json`` as ``peak_rss_mib``. A prediction that fails
+  leaves ``-`` in its row and a line under the table naming the error.
 
 Writes ``OUT/sweep.md``, ``OUT/sweep.json`` and ``OUT/sweep.png`` (validation loss vs added
 FLOPs %, one labelled point per variant, 95% CI error bars). When the configs hold one model at
@@ -55,6 +57,7 @@ from pathlib import Path
 import torch
 
 from titan_lrattnres.evaluation.machine import BUSY_CORES, busy_cores, run_training
+from titan_lrattnres.model.registry import ModelIdentity
 
 # baseline, standard Full, standard Block N=4, S-LR Block N=4 r=32, P-LR Block N=4 r=32 (cpu_small)
 DEFAULT_CONFIGS = (
@@ -147,10 +150,8 @@ def config_lr(name: str) -> float | None:
 
 
 def model_key(variant: str, blocks, rank, block_layers=None) -> tuple:
-    """What identifies a model across tables: blocks/rank only where they apply."""
-    if variant == "baseline":
-        return ("baseline",)
-    return (variant, blocks, block_layers, None if variant == "attnres" else rank)
+    """What identifies a model across tables (``ModelIdentity.key``)."""
+    return ModelIdentity(variant=variant, blocks=blocks, rank=rank, block_layers=block_layers).key()
 
 
 def make_row(
@@ -249,18 +250,20 @@ def memory_case(name: str, summary: dict) -> dict | None:
 
 
 def predict_memory(case: dict) -> dict:
-    """``benchmarks.memory.measure`` of a ``memory_case``: its peak and categories (bytes)."""
-    from benchmarks import memory
+    """The predicted training memory of a ``memory_case``
+    (:func:`titan_lrattnres.evaluation.memory.measure`): its peak and categories (bytes)."""
+    from titan_lrattnres.evaluation.memory import Case, measure
 
-    return memory.measure(memory.Case(**case))
+    return measure(Case(**case))
 
 
 def attach_memory(rows: list[dict], predict=None, progress=print) -> None:
-    """``predicted_peak_mib`` (and ``predicted_memory``: the benchmark's figures, bytes) of every
+    """``predicted_peak_mib`` (and ``predicted_memory``: the prediction's figures, bytes) of every
     row with a ``memory_case``, computed once per distinct case (``predict``, default
-    ``predict_memory``)."""
+    ``predict_memory``); a failure is kept in the row as ``memory_error``."""
     predict = predict or predict_memory
     done: dict[str, dict | None] = {}
+    errors: dict[str, str] = {}
     for r in rows:
         case = r.get("memory_case")
         if case is None or r.get("predicted_peak_mib") is not None:
@@ -270,12 +273,15 @@ def attach_memory(rows: list[dict], predict=None, progress=print) -> None:
             try:
                 done[key] = predict(case)
             except Exception as e:  # noqa: BLE001 (the column shows "-"; the sweep goes on)
-                progress(f"{r['config']}: no memory prediction ({type(e).__name__}: {e})")
+                errors[key] = f"{type(e).__name__}: {e}"
+                progress(f"{r['config']}: no memory prediction ({errors[key]})")
                 done[key] = None
             else:
                 mib = done[key]["peak"] / 2**20
                 progress(f"{r['config']}: predicted peak {mib:,.0f} MiB per rank")
         pred = done[key]
+        if key in errors:
+            r["memory_error"] = errors[key]
         if pred is not None:
             r["predicted_peak_mib"] = pred["peak"] / 2**20
             r["predicted_memory"] = {k: pred[k] for k in ("peak", "at_peak", "max", "optimizer")}
@@ -385,6 +391,11 @@ def markdown_table(rows: list[dict]) -> str:
         )
         if any(r.get(k) is not None for r in rows)
     ]
+    notes = [
+        f"\n{r['config']}: no predicted memory ({r['memory_error']})"
+        for r in rows
+        if r.get("memory_error")
+    ]
     lines = [
         "| model | config | lr | val loss (± 95% CI) | Δ vs baseline (paired 95% CI) | "
         "added FLOPs % | params | tokens/s | predicted peak MiB/rank (benchmarks.memory) |"
@@ -406,7 +417,7 @@ def markdown_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('predicted_peak_mib'), ',.0f')} |"
             + "".join(f" {_fmt(r.get(k), f)} |" for k, _, f in extras)
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + "".join(f"{n}\n" for n in notes)
 
 
 def plot(rows: list[dict], path: str | Path, title: str = "") -> Path:

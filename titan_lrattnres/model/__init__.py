@@ -1,2 +1,3 @@
-"""The model: flavors and the model spec (``registry``), the decoder whose residual stream is a
+"""The model: flavors and the model config (``registry``; the
+ModelSpec around it: ``titan_lrattnres.spec``), the decoder whose residual stream is a
 read across depth (``model``), the depth router (``depth``) and the FLOP accounting (``flops``)."""

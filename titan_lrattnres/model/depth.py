@@ -224,6 +224,8 @@ class DepthRouter(Module):
         m = config.num_sublayers
         self.num_sublayers = m
         self.block_layers = config.block_layers
+        # step() walks the source sets of custom_ops.schedule.source_sets with tensors, from
+        # the ends computed here once
         self.ends = schedule_ends(m, config.blocks, config.block_layers)
         self._end_set = frozenset(self.ends)
         if self.variant != "baseline":  # read sites 1..M (site 0 is the identity)

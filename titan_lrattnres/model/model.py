@@ -13,7 +13,9 @@ parallel with or without sequence parallel, and both together (layouts:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -158,26 +160,23 @@ class LRAttnResModel(Decoder):
         router: DepthRouter.Config
         hidden_dim: int
 
+        # The parallel layer's checks and sharding declarations for a trainer config
+        # (``titan_lrattnres.parallel.sharding.configure_parallelism``), called as
+        # ``configure_parallelism(model_config, trainer_config)``. The ModelSpec wiring
+        # (``titan_lrattnres.spec``) sets it, so the model does not import the layer above it.
+        configure_parallelism: ClassVar[Callable | None] = None
+
         def update_from_config(self, *, config, **kwargs) -> None:
             Decoder.Config.update_from_config(self, config=config, **kwargs)
-            parallelism = config.parallelism
-            if parallelism.context_parallel_degree > 1:
-                from titan_lrattnres.parallel.context import check_context_parallel
-
-                check_context_parallel(self, parallelism)
-            if parallelism.pipeline_parallel_degree > 1:
-                from titan_lrattnres.parallel.pipeline_plan import check_schedule
-
-                check_schedule(parallelism.pipeline_parallel_schedule)
-            from titan_lrattnres.parallel.sharding import set_sharding_config, set_tensor_parallel
-
+            configure = type(self).configure_parallelism
+            if configure is None:
+                raise RuntimeError(
+                    "LRAttnResModel.Config.configure_parallelism is not set: build the model "
+                    "config through titan_lrattnres.model_registry (titan_lrattnres.spec)"
+                )
             # with activation checkpointing the reads keep no phase-1 output either
             self.router.recompute_reads = getattr(config, "activation_checkpoint", None) is not None
-            tp = parallelism.tensor_parallel_degree
-            enable_sp = tp > 1 and parallelism.enable_sequence_parallel
-            set_sharding_config(self, enable_sp=enable_sp)
-            if tp > 1:
-                set_tensor_parallel(self, config, tp)
+            configure(self, config)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
             attn = self.first_attention

@@ -1,4 +1,5 @@
-"""``model_registry(flavor, *, variant, blocks, rank, ...) -> ModelSpec`` and the flavors.
+"""The flavors and ``build_model_config(flavor, *, variant, blocks, rank, ...)``, the model
+config (the ModelSpec around it: ``titan_lrattnres.spec.model_registry``).
 
 Flavors follow docs/method.md §6 (no biases, untied head, RoPE θ = 5e5, qk-norm, parameter-free
 RMSNorms, init N(0, 0.02)); ``debug`` is sized for seconds-per-step CPU runs.
@@ -18,15 +19,12 @@ from torchtitan.models.common.config_utils import (
     make_ffn_config,
     make_gqa_config,
 )
-from torchtitan.models.llama3.parallelize import parallelize_llama
-from torchtitan.protocols.model_spec import ModelSpec
 
 from custom_ops import BACKENDS
 from custom_ops.schedule import check_schedule
 from titan_lrattnres.model.depth import DepthRouter, query_names
 from titan_lrattnres.model.flops import VARIANTS
 from titan_lrattnres.model.model import LRAttnResModel, Sublayer, VocabHead
-from titan_lrattnres.parallel.pipeline import pipeline_lrattnres
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,77 @@ class _Unset:
 
 
 UNSET = _Unset()  # ``blocks`` not given: DEFAULT_BLOCKS, unless ``block_layers`` is
+
+
+def schedule_kwargs(blocks: int | None, block_layers: int | None) -> dict:
+    """``build_model_config``'s schedule arguments from a record that holds both fields, None
+    for unset (a run summary, a named config): ``block_layers`` when it is set (a None count
+    beside it is not given), else ``blocks`` (None = Full). Both set are passed on, and refused.
+
+    With ``build_model_config``'s own default (``blocks`` not given: DEFAULT_BLOCKS, unless
+    ``block_layers`` is), the one place where ``blocks`` and ``block_layers`` are resolved."""
+    if block_layers is None:
+        return {"blocks": blocks}
+    if blocks is None:
+        return {"block_layers": block_layers}
+    return {"blocks": blocks, "block_layers": block_layers}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelIdentity:
+    """What a trained model is, beyond its flavor's shape: the one list of these fields. Every
+    record of a model is written from it and read into it: the checkpoint fingerprint
+    (``fingerprint``), the run summary (``record``), the model arguments of a trained run
+    (``model_args``) and the sweep's key for one model across tables (``key``)."""
+
+    variant: str
+    blocks: int | None = None
+    block_layers: int | None = None
+    rank: int | None = None
+    eps: float | None = None
+    flavor: str | None = None
+    vocab_size: int | None = None  # the real vocabulary (the head's rows are padded)
+
+    @classmethod
+    def of(cls, config: LRAttnResModel.Config, flavor: str | None = None) -> ModelIdentity:
+        r = config.router
+        return cls(variant=r.variant, blocks=r.blocks, block_layers=r.block_layers,
+                   rank=r.rank, eps=r.eps, flavor=flavor, vocab_size=config.vocab_size)  # fmt: skip
+
+    @classmethod
+    def from_record(cls, record: dict) -> ModelIdentity:
+        """From any record written by ``record`` (or a row holding its fields)."""
+        names = cls.__dataclass_fields__
+        return cls(**{k: record[k] for k in names if record.get(k) is not None})
+
+    def record(self) -> dict:
+        """Every field, as a run summary keeps them."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def fingerprint(self) -> dict:
+        """The fields that decide the parameters' meaning: blocks and rank only where the
+        variant routes (a checkpoint's fingerprint adds the shape)."""
+        routed = self.variant != "baseline"
+        return {
+            "variant": self.variant,
+            "rank": self.rank if routed else None,
+            "blocks": self.blocks if routed else None,
+            "block_layers": self.block_layers,
+            "eps": self.eps,
+        }
+
+    def model_args(self) -> dict:
+        """``build_model_config`` arguments (with ``flavor``) of this model."""
+        args = {k: getattr(self, k) for k in ("flavor", "variant", "rank", "eps", "vocab_size")}
+        args = {k: v for k, v in args.items() if v is not None}
+        return {**args, **schedule_kwargs(self.blocks, self.block_layers)}
+
+    def key(self) -> tuple:
+        """What identifies the model across tables: blocks and rank only where they apply."""
+        if self.variant == "baseline":
+            return ("baseline",)
+        rank = None if self.variant == "attnres" else self.rank
+        return (self.variant, self.blocks, self.block_layers, rank)
 
 
 def _check_choice(field: str, value, allowed) -> None:
@@ -183,23 +252,4 @@ def build_model_config(
         ),
         layers=layers,
         router=router,
-    )
-
-
-def model_registry(flavor: str, *, converters=None, **kwargs) -> ModelSpec:
-    """ModelSpec for ``flavor`` with ``variant`` in baseline / attnres / sliced / projected,
-    ``blocks`` (None = Full), ``rank``, ``eps``, ``depth_backend``, ``attn_backend``,
-    ``vocab_size``, ``vocab_multiple``."""
-    config = build_model_config(flavor, **kwargs)
-    if converters is not None:
-        for c in converters:
-            config = c.build().convert(config)
-    return ModelSpec(
-        name="lrattnres",
-        flavor=flavor,
-        model=config,
-        parallelize_fn=parallelize_llama,
-        pipelining_fn=pipeline_lrattnres,
-        post_optimizer_build_fn=None,
-        state_dict_adapter=None,
     )

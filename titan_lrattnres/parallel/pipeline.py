@@ -37,6 +37,7 @@ from collections import defaultdict, deque
 import torch
 
 from custom_ops.schedule import schedule_ends
+from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.model.depth import DepthState, query_name
 from titan_lrattnres.model.model import LRAttnResModel
 from titan_lrattnres.parallel.pipeline_plan import (
@@ -45,7 +46,6 @@ from titan_lrattnres.parallel.pipeline_plan import (
     plan_stages,
     stage_spans,
 )
-from titan_lrattnres.training import torchtitan_internals as internals
 
 
 # -- the cache ------------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def _schedule_class(base: type) -> type:
         return out
 
     def _initialize_pp_stages(self, *args, **kwargs):
-        # torch's private hook (titan_lrattnres.training.torchtitan_internals)
+        # torch's private hook (titan_lrattnres.torchtitan_internals)
         for loss in self.shape_losses:
             loss.in_shape_inference = True
         try:

@@ -34,6 +34,24 @@ from torchtitan.protocols.sharding import ShardingConfig
 from titan_lrattnres.components.zloss import ZLossCrossEntropy
 from titan_lrattnres.model.depth import query_names
 from titan_lrattnres.parallel import op_sharding  # noqa: F401  (DTensor rules for the lrattnres:: ops)
+from titan_lrattnres.parallel.context import check_context_parallel
+from titan_lrattnres.parallel.pipeline_plan import check_schedule
+
+
+def configure_parallelism(config, trainer_config) -> None:
+    """The model config's parallel part of ``update_from_config`` (torchtitan calls it with the
+    trainer config): the context and pipeline parallel checks, every module's sharding
+    declaration, and with a TP degree > 1 the tensor-parallel checks."""
+    parallelism = trainer_config.parallelism
+    if parallelism.context_parallel_degree > 1:
+        check_context_parallel(config, parallelism)
+    if parallelism.pipeline_parallel_degree > 1:
+        check_schedule(parallelism.pipeline_parallel_schedule)
+    tp = parallelism.tensor_parallel_degree
+    enable_sp = tp > 1 and parallelism.enable_sequence_parallel
+    set_sharding_config(config, enable_sp=enable_sp)
+    if tp > 1:
+        set_tensor_parallel(config, trainer_config, tp)
 
 
 def _router_params(*names: str, enable_sp: bool) -> ShardingConfig:

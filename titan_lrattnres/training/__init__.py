@@ -1,2 +1,3 @@
-"""Training: the entry point (``train``), the Trainer subclass (``trainer``), the run summary
-(``summary``) and running torchtitan on a machine without an accelerator (``cpu``)."""
+"""Training: the Trainer subclass (``trainer``), the run summary (``summary``) and running
+torchtitan on a machine without an accelerator (``cpu``). The command is
+``titan_lrattnres.train``."""

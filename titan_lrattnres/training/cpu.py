@@ -18,7 +18,7 @@ is present:
 Why and what each one costs: docs/performance.md ("Training on CPU"). The model uses SDPA on
 CPU, so FlexAttention needs nothing. These touch torchtitan internals written for exactly
 ``TORCHTITAN_VERSION`` (listed with the package's other private names in
-:mod:`titan_lrattnres.training.torchtitan_internals`, and checked by its test).
+:mod:`titan_lrattnres.torchtitan_internals`, and checked by its test).
 """
 
 from __future__ import annotations

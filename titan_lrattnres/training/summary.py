@@ -7,6 +7,8 @@ import os
 import resource
 import time
 
+from titan_lrattnres.model.registry import ModelIdentity
+
 
 def _corpus_stats(dataset: str) -> dict:
     if not dataset.startswith("stdlib_py"):
@@ -42,13 +44,7 @@ def build_summary(trainer) -> dict:
     tail = [h["loss"] for h in hist[-10:]]
     return {
         "config": getattr(cfg, "run_name", ""),
-        "flavor": spec.flavor,
-        "variant": router.variant,
-        "blocks": router.blocks,
-        "block_layers": router.block_layers,
-        "rank": router.rank,
-        "vocab_size": spec.model.vocab_size,  # the real vocabulary (the head's rows are padded)
-        "eps": router.eps,
+        **ModelIdentity.of(spec.model, spec.flavor).record(),
         "depth_backend": router.backend,
         "steps": trainer.step,
         "tokens": tokens,

@@ -40,6 +40,7 @@ from titan_lrattnres.components.preemption import (
     PreemptionHandler,
     signals_of,
 )
+from titan_lrattnres.model.registry import ModelIdentity
 
 FINGERPRINT_FILE = "model_fingerprint.json"
 
@@ -49,19 +50,15 @@ class CheckpointMismatchError(RuntimeError):
 
 
 def model_fingerprint(model_config) -> dict:
-    """The fields that decide parameter shapes and meaning (not kernels or attention backend)."""
-    router = model_config.router
+    """The fields that decide parameter shapes and meaning (not kernels or attention backend):
+    the shape, and the model's identity (``ModelIdentity.fingerprint``)."""
     return {
         "dim": model_config.dim,
         "vocab_size": model_config.vocab_size,
         "hidden_dim": model_config.hidden_dim,
         "num_layers": len(model_config.layers) // 2,
         "n_heads": model_config.first_attention.n_heads,
-        "variant": router.variant,
-        "rank": router.rank if router.variant != "baseline" else None,
-        "blocks": router.blocks if router.variant != "baseline" else None,
-        "block_layers": router.block_layers,
-        "eps": router.eps,
+        **ModelIdentity.of(model_config).fingerprint(),
     }
 
 

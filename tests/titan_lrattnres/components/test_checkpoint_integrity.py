@@ -30,8 +30,8 @@ import torch.distributed.checkpoint as dcp
 from titan_lrattnres.components import integrity
 from titan_lrattnres.evaluation import analysis, export, generate, sweep
 from titan_lrattnres.evaluation.inference import build_model, load_model
+from titan_lrattnres.train import finished_step
 from titan_lrattnres.training import cpu
-from titan_lrattnres.training.train import finished_step
 
 ROOT = Path(__file__).resolve().parents[3]
 ARGS = dict(flavor="debug", variant="sliced", blocks=2, rank=16, vocab_size=256)
@@ -325,7 +325,7 @@ KILL_DRIVER = textwrap.dedent("""
     cpu.apply()
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from titan_lrattnres.components import integrity
-    from titan_lrattnres.training.train import main
+    from titan_lrattnres.train import main
     where, step = sys.argv[1], sys.argv[2]
 
     def killing(f, folder_of):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from titan_lrattnres import train
 from titan_lrattnres.components import preemption
-from titan_lrattnres.training import train
 
 ROOT = Path(__file__).resolve().parents[3]
 

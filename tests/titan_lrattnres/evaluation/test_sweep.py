@@ -2,6 +2,11 @@
 
 import json
 import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,6 +260,11 @@ def test_attach_memory_once_per_case_and_a_failure_leaves_a_dash():
     assert [r.get("predicted_peak_mib") for r in rows] == [3.0, 3.0, None, None]
     assert rows[0]["predicted_memory"]["at_peak"] == {"activations": 1}
     assert any("d: no memory prediction (ValueError: no tokens)" in ln for ln in lines)
+    assert [r.get("memory_error") for r in rows] == [None, None, None, "ValueError: no tokens"]
+    filled = {"variant": "baseline", "blocks": None, "rank": None, "val_loss": 4.0,
+              "added_flops_pct": 0.0, "params": 1, "tokens_per_s": None}  # fmt: skip
+    table = sweep.markdown_table([{**r, **filled} for r in rows])
+    assert "d: no predicted memory (ValueError: no tokens)" in table  # named, not dropped
     assert "| - |" in sweep.markdown_table([sweep.make_row("x", _summary("baseline", None, 32, 4))])
 
 
@@ -293,3 +303,38 @@ def test_tokens_per_s_only_for_runs_measured_alone(tmp_path, capsys, predictions
     assert "measured alone" in table
     rows = json.loads((tmp_path / "sweep.json").read_text())
     assert all(r["tokens_per_s"] == 1234.5 for r in rows)  # the JSON keeps every figure
+
+
+@pytest.mark.slow
+def test_an_installed_wheel_writes_the_memory_column(tmp_path):
+    """The package built as a wheel and installed away from the clone (no ``benchmarks``, the
+    clone off the path) predicts a run's memory for the sweep."""
+    root, src = Path(__file__).resolve().parents[3], tmp_path / "src"
+    for name in ("custom_ops", "titan_lrattnres", "train_configs"):  # built away from the clone
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    pip = [sys.executable, "-m", "pip", "-q"]
+    dist = tmp_path / "dist"
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(src)]
+    subprocess.run(build, check=True, cwd=tmp_path)
+    (wheel,) = dist.glob("*.whl")
+    site = tmp_path / "site"
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True)
+    code = (
+        "import json, sys\n"
+        "from titan_lrattnres.evaluation import sweep\n"
+        "assert 'benchmarks' not in sys.modules\n"
+        "s = dict(flavor='debug', variant='sliced', blocks=2, rank=16, seq_len=32,\n"
+        "         local_batch_size=2, world_size=1)\n"
+        "rows = [{'config': 'cpu_smoke', 'memory_case': sweep.memory_case('cpu_smoke', s)}]\n"
+        "sweep.attach_memory(rows)\n"
+        "print(json.dumps(rows[0].get('predicted_peak_mib')), sweep.__file__)\n"
+    )
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "PYTHONPATH": str(site)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    peak, where = out.stdout.split()[-2:]
+    assert float(peak) > 0 and where.startswith(str(site))

@@ -12,6 +12,7 @@ from custom_ops.schedule import (
     schedule_ends,
     site_sources,
     source_counts,
+    source_sets,
 )
 from titan_lrattnres.evaluation import analysis
 from titan_lrattnres.evaluation.inference import build_model, model_args_from_summary
@@ -56,6 +57,24 @@ def test_source_sets_follow_the_size_schedule():
     assert analysis.source_labels(5, 6, None, block_layers=2) == ["e", "B1", "P2"]
     with pytest.raises(ValueError, match="not both"):
         schedule_ends(6, 2, 2)
+
+
+@pytest.mark.parametrize("schedule", [{"blocks": None}, {"blocks": 2}, {"blocks": 5},
+                                      {"block_layers": 2}, {"block_layers": 3}])  # fmt: skip
+def test_the_router_walks_the_schedule(schedule):
+    """``DepthRouter.step`` keeps, after each sublayer, the source set ``source_sets`` walks."""
+    config = build_model_config(THREE_LAYERS, variant="sliced", rank=4, depth_backend="reference",
+                                **schedule)  # fmt: skip
+    router = config.router.build()
+    m = router.num_sublayers
+    walk = source_sets(m, schedule.get("blocks"), schedule.get("block_layers"))
+    g = torch.Generator().manual_seed(0)
+    state = router.start(torch.randn(1, 2, 32, generator=g))
+    for j in range(m + 1):
+        if j:
+            router.step(state, j, torch.randn(1, 2, 32, generator=g))
+        assert (len(state.values), state.partial is not None) == walk[j], j
+        assert len(router.sources(state)[0]) == 1 + sum(walk[j])
 
 
 def test_both_given_is_refused():

@@ -22,8 +22,8 @@ from torch.nn.attention.flex_attention import create_block_mask
 from torchtitan.distributed.parallel_dims import MeshAxisName
 
 from benchmarks import gpu_cp
-from titan_lrattnres.model.registry import model_registry
 from titan_lrattnres.parallel.context import DenseFlexAttention
+from titan_lrattnres.spec import model_registry
 
 CP, TP = MeshAxisName.CP, MeshAxisName.TP
 

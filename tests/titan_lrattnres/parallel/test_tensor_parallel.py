@@ -112,7 +112,7 @@ def test_router_parameters_on_the_tp_axis(sp, axis_type):
     import spmd_types as spmd
     from torchtitan.distributed.parallel_dims import MeshAxisName
 
-    from titan_lrattnres.model.registry import model_registry
+    from titan_lrattnres.spec import model_registry
 
     c = _trainer_config(tensor_parallel_degree=2, enable_sequence_parallel=sp)
     c.model_spec = model_registry("debug", variant="projected", blocks=2, rank=16)
@@ -127,7 +127,7 @@ def test_router_parameters_on_the_tp_axis(sp, axis_type):
 
 
 def test_tp_syncs_the_loss_vocabulary_and_checks_degrees():
-    from titan_lrattnres.model.registry import model_registry
+    from titan_lrattnres.spec import model_registry
 
     c = _trainer_config(tensor_parallel_degree=2)
     c.model_spec = model_registry("debug", blocks=2, rank=16, vocab_size=1025)

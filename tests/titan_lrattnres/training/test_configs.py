@@ -10,8 +10,7 @@ import torch
 from torchtitan.trainer import Trainer
 
 import train_configs
-from titan_lrattnres import model_registry
-from titan_lrattnres.training import train
+from titan_lrattnres import model_registry, train
 from train_configs import common, cpu, paper_grid
 
 EXPECTED_PAPER = {

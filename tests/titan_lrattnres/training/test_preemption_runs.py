@@ -68,7 +68,7 @@ DRIVER = textwrap.dedent("""
     if get("FREE_BYTES") >= 0:
         from titan_lrattnres.components import faults
         faults.free_bytes = lambda folder: get("FREE_BYTES")
-    from titan_lrattnres.training.train import main
+    from titan_lrattnres.train import main
     sys.exit(main(sys.argv[1:]))
 """)
 

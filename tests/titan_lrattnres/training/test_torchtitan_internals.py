@@ -1,5 +1,5 @@
 """The private torchtitan / torch names the package depends on
-(``titan_lrattnres.training.torchtitan_internals``): each exists, with the signature it was
+(``titan_lrattnres.torchtitan_internals``): each exists, with the signature it was
 written for, at the pinned torchtitan. A torchtitan upgrade that renames or reshapes one fails
 here by name; then re-check the function of ``torchtitan_internals`` that uses it."""
 
@@ -24,11 +24,11 @@ from torchtitan.distributed import pipeline_parallel as pp
 from torchtitan.models.common.decoder import Decoder
 from torchtitan.trainer import Trainer
 
+from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
 from titan_lrattnres.components.optimizers import MuonOptimizersContainer
 from titan_lrattnres.parallel import pipeline
 from titan_lrattnres.training import cpu
-from titan_lrattnres.training import torchtitan_internals as internals
 
 
 def _params(fn) -> list[str]:

@@ -309,7 +309,7 @@ NAN_DRIVER = textwrap.dedent("""
         loss = original(self, *args, **kwargs)
         return loss * float("nan") if self.step >= 7 else loss
     tt.Trainer._forward_backward_body = body
-    from titan_lrattnres.training.train import main
+    from titan_lrattnres.train import main
     sys.exit(main(sys.argv[1:]))
 """)
 

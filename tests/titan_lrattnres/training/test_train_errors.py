@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from titan_lrattnres import train
 from titan_lrattnres.components import data
-from titan_lrattnres.training import train
 
 
 @pytest.fixture

@@ -41,14 +41,18 @@ DEFAULT_KEY_EPS = torch.finfo(torch.float32).eps
 
 # -- the depth read: a copy of custom_ops/reference.py (docs/method.md §2) ----------------------
 def key_rmsnorm(key: torch.Tensor, eps: float | None = None) -> torch.Tensor:
-    """Parameter-free RMSNorm over the last dim, in fp32 (rows with max |k| >= 1 are first scaled
-    by a power of two, exactly, so that k² cannot overflow)."""
+    """Parameter-free RMSNorm over the last dim, in fp32 (rows whose sum of squares reaches 2^120
+    are first scaled by 2^-72, exactly, and take no eps, so that k² cannot overflow; written from
+    the row's norm so that autograd's intermediates stay in fp32's range)."""
     k = key.float()
-    exponent = torch.frexp(k.abs().amax(-1, keepdim=True)).exponent.clamp(min=0)
-    down = torch.ldexp(torch.ones_like(k[..., :1]), -exponent)
-    k = k * down
     eps = DEFAULT_KEY_EPS if eps is None else float(eps)
-    return k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + eps * down * down)
+    with torch.no_grad():
+        big = k.pow(2).sum(-1, keepdim=True) >= 2.0**120
+        scale = torch.where(big, 2.0**-72, 1.0).to(k.dtype)
+        root_eps = torch.where(big, 0.0, eps**0.5).to(k.dtype)
+    k = k * scale
+    rms = torch.linalg.vector_norm(k, dim=-1, keepdim=True) / k.shape[-1] ** 0.5
+    return k / torch.hypot(rms, root_eps)
 
 
 def depth_logits(keys, query: torch.Tensor, eps: float | None = None) -> torch.Tensor:
