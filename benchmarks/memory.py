@@ -4,33 +4,10 @@
         [--variants baseline,block8,...] [--ac none,selective,full] [--fsdp 8,64]
         [--dtype bf16|fp32] [--optimizer recipe|adamw] [--json PATH]
 
-Why: the routed variants keep every block's (or every sublayer's) output alive across the
-depth loop, so their activation memory is not the baseline's; the paper's shape does not fit a
-CPU, nor always a GPU. How: the project's model is built under ``FakeTensorMode`` (shapes,
-dtypes and storages, no data), parallelized as torchtitan's ``parallelize_llama`` does it (the
-AC policy on every entry of ``model.layers`` -- one sublayer each --, then FSDP2 through
-``apply_fsdp_to_decoder``: parameters in ``--dtype``, fp32 master weights and reductions) over a
-fake process group of the FSDP size, and one training step runs as torchtitan's ``train_step``
-does: ``zero_grad(set_to_none)``, forward with the chunked LM head + loss (``ChunkedLossWrapper``,
-8 chunks; CE + z-loss with the paper recipe), backward, gradient clipping, optimizer step.
-``FSDPMemTracker`` (torch.distributed._tools) counts every storage by category as it is created
-and freed. Steady state: the optimizer state exists before the step (one zero-gradient step
-first, torchtitan's ``init_optim_state``).
-
-Categories (bytes per rank; ``raw_*`` in the JSON keep the tracker's own): parameters = sharded
-fp32 masters + unsharded (gathered) parameters + buffers + all-gather buffers; gradients =
-sharded + unsharded gradients + reduce-scatter buffers; optimizer = optimizer state and
-everything the optimizer step allocates; activations = tensors saved or made in the forward (and
-in AC recomputation) + the step's inputs; temporaries = tensors made in the backward. Reported
-both at the moment of the total's peak and as each category's own maximum over the step.
-
-What it does not see: memory allocated inside a kernel and not through a tensor (e.g. Triton
-scratch), the caching allocator's fragmentation and rounding beyond 512 B blocks, NCCL buffers,
-and compiled sublayers (the step runs eager; inductor's partitioner saves fewer activations).
-Attention runs as SDPA (CPU flash: output + log-sum-exp saved, as flash / FlexAttention do on a
-GPU; selective AC saves it as it saves those). ``tests/benchmarks/test_memory.py`` holds the
-tracker to a real CPU run at a small shape; ``benchmarks/gpu_check.py``'s ``memory`` section to
-``torch.cuda.max_memory_allocated``.
+The table of variants over the prediction of :mod:`titan_lrattnres.evaluation.memory`: how it
+works, what it counts and what it does not see are in that module's docstring.
+``tests/benchmarks/test_memory.py`` holds the prediction to a real CPU run at a small shape, and
+``benchmarks/gpu_check.py``'s ``memory`` section to ``torch.cuda.max_memory_allocated``.
 """
 
 from __future__ import annotations
