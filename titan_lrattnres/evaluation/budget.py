@@ -33,11 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-from titan_lrattnres.evaluation.machine import BUSY_CORES, busy_cores, machine_name, run_training
+from titan_lrattnres.evaluation.machine import (
+    BUSY_CORES,
+    busy_cores,
+    machine_name,
+    measured_alone,
+    run_training,
+)
 from titan_lrattnres.evaluation.sweep import (
     DEFAULT_CONFIGS,
     _fmt,
@@ -46,6 +51,7 @@ from titan_lrattnres.evaluation.sweep import (
     config_lr,
     label,
     train_command,
+    train_env,
 )
 
 BUDGET_CONFIGS = (*DEFAULT_CONFIGS, "cpu_default_baseline_lr1e-3")
@@ -113,6 +119,7 @@ def summarize(runs: list[dict]) -> tuple[list[dict], str | None]:
             "train_s": _mean([_final(r).get("train_s") for r in seeds.values()]),
             "tokens_per_s": _mean([r["tokens_per_s"] for r in seeds.values()]),
             "other_cores": max((r.get("other_cores") or 0.0 for r in seeds.values()), default=0),
+            "alone": all(measured_alone(r) for r in seeds.values()),
         }
         row["final_loss"], row["final_ci95"] = _seed_mean_ci(batches)
         row["tokens_per_s_ratio"] = (
@@ -195,10 +202,10 @@ def markdown(rows: list[dict], ref: str | None, meta: dict) -> str:
             f"{_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['tokens_per_s_ratio'], '.3f')} | "
             f"{reach['tokens']} | {reach['train_s']} | {_fmt(r['other_cores'], '.2f')} |"
         )
-    busy = [r["config"] for r in rows if (r["other_cores"] or 0) > BUSY_CORES]
+    busy = [r["config"] for r in rows if not r["alone"]]
     warn = (
-        f"\n**Throughput not alone**: other processes used more than {BUSY_CORES} cores during "
-        f"runs of {', '.join(busy)}; their tokens/s and times are not comparable.\n"
+        f"\n**Throughput not alone**: other processes used more than {BUSY_CORES} cores before "
+        f"or during runs of {', '.join(busy)}; their tokens/s and times are not comparable.\n"
         if busy
         else ""
     )
@@ -276,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"not train_configs names: {', '.join(unknown)}")
     out = Path(ns.out)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    env = train_env()
     runs = []
     for name in names:
         for seed in seeds:

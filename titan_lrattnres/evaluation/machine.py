@@ -63,3 +63,10 @@ def run_training(cmd: list[str], env: dict) -> tuple[int, float | None]:
         return rc, None
     machine_s = (j1[0] - j0[0]) / os.sysconf("SC_CLK_TCK")
     return rc, max(machine_s - (c1 - c0), 0.0) / wall
+
+
+def measured_alone(record: dict) -> bool:
+    """Whether a run's throughput is its own: its load record (``other_cores`` during the run,
+    ``busy_cores_before``) exists and says nothing else used more than ``BUSY_CORES``."""
+    loads = [record.get("other_cores"), record.get("busy_cores_before")]
+    return loads[0] is not None and all(x is None or x <= BUSY_CORES for x in loads)

@@ -56,7 +56,12 @@ from pathlib import Path
 
 import torch
 
-from titan_lrattnres.evaluation.machine import BUSY_CORES, busy_cores, run_training
+from titan_lrattnres.evaluation.machine import (
+    BUSY_CORES,
+    busy_cores,
+    measured_alone,
+    run_training,
+)
 from titan_lrattnres.model.registry import ModelIdentity
 
 # baseline, standard Full, standard Block N=4, S-LR Block N=4 r=32, P-LR Block N=4 r=32 (cpu_small)
@@ -82,6 +87,12 @@ def train_command(name: str, run_dir: Path, nproc: int, extra: list[str]) -> lis
     if nproc > 1:
         launcher += ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m"]
     return [*launcher, "titan_lrattnres.train", name, "--dump_folder", str(run_dir), *extra]
+
+
+def train_env() -> dict[str, str]:
+    """The environment of a training run: this process's, with the clone first on the path."""
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
 
 
 def ci95(losses: list[float]) -> tuple[float, float]:
@@ -370,12 +381,6 @@ def label(row: dict) -> str:
     return f"{name} {shape}{rank}"
 
 
-def measured_alone(row: dict) -> bool:
-    """Whether the run's throughput is its own: its load record says nothing else ran."""
-    loads = [row.get("other_cores"), row.get("busy_cores_before")]
-    return loads[0] is not None and all(x is None or x <= BUSY_CORES for x in loads)
-
-
 def _fmt(x, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
@@ -524,13 +529,7 @@ def main(argv=None) -> int:
                 print(f"WARNING: other processes use {busy:.2f} cores: {name}'s tokens/s will "
                       "not be its own and stays out of the table", flush=True)  # fmt: skip
             print("$ " + " ".join(cmd), flush=True)
-            env = dict(
-                os.environ,
-                PYTHONPATH=os.pathsep.join(
-                    [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
-                ),
-            )
-            rc, other = run_training(cmd, env)
+            rc, other = run_training(cmd, train_env())
             if rc != 0 or not summary_file.is_file():
                 print(f"FAILED {name}: no {summary_file}; left out of the table")
                 continue

@@ -73,6 +73,13 @@ def test_summary_picks_the_best_baseline_and_pairs_seeds():
     runs[-1]["other_cores"] = 0.9
     rows, ref = budget.summarize(runs)
     assert "Throughput not alone" in budget.markdown(rows, ref, meta)
+    # a run started on a busy machine (--allow-busy) is flagged too, idle as it ran
+    runs[-1].update(other_cores=0.0, busy_cores_before=1.0)
+    rows, ref = budget.summarize(runs)
+    assert (
+        "not alone**: other processes used more than 0.25 cores before or during runs of "
+        "slow;" in budget.markdown(rows, ref, meta)
+    )
 
 
 def test_a_busy_machine_is_refused(tmp_path, monkeypatch, capsys):
