@@ -175,6 +175,46 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split:
     return out, lse
 
 
+def block_read_backward(
+    values, keys, queries, lse, grad_out, grad_lse, eps=None, *, backend: str = "auto"
+):
+    """The gradients of :func:`block_read`'s ``(out, lse)`` with respect to its inputs, given
+    the forward's ``lse [c, ...]`` and ``grad_out [c, ..., d]`` / ``grad_lse [c, ...]`` (None:
+    zero): ``(grad_values, grad_keys or None (sliced), grad_queries [c, r])``, each in its
+    input's dtype, the numbers of ``block_read``'s own backward. For a caller that keeps only a
+    read's inputs and recomputes its forward without autograd (activation checkpointing): no
+    graph is recorded, and no nested backward pass runs."""
+    values = list(values)
+    keys = None if keys is None else list(keys)
+    _validate(values, keys, queries, 2)
+    c, lead = queries.shape[0], tuple(values[0].shape[:-1])
+    if tuple(lse.shape) != (c, *lead):
+        raise ValueError(f"lse has shape {tuple(lse.shape)}, the read's is {(c, *lead)}")
+    impl = _backend(backend, values[0])
+    if impl == "reference":  # the reference's own autograd
+        return _reference_backward(values, keys, queries, grad_out, grad_lse, eps)
+    args = (values, keys or [], queries, lse, grad_out, grad_lse, _eps(eps), impl)
+    gv, gk, gq = ops._backward_call(
+        torch.ops.lrattnres.read_backward, ops._read_backward_any, *args
+    )
+    return list(gv), (None if keys is None else list(gk)), gq
+
+
+def _reference_backward(values, keys, queries, grad_out, grad_lse, eps):
+    n, m = len(values), len(keys or ())
+    leaves = [x.detach().requires_grad_() for x in (*values, *(keys or ()), queries)]
+    with torch.enable_grad():
+        ks = leaves[n : n + m] if keys is not None else None
+        outs = block_read(leaves[:n], ks, leaves[-1], eps, backend="reference")
+    pairs = [(o, g) for o, g in zip(outs, (grad_out, grad_lse)) if g is not None]
+    found = [None] * len(leaves)
+    if pairs:
+        outs, grads = zip(*pairs)
+        found = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+    found = [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
+    return found[:n], (None if keys is None else found[n : n + m]), found[-1]
+
+
 def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):
     pk = partial_key
     if pk is None:

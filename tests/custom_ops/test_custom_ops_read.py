@@ -96,6 +96,43 @@ def check_split_block_read(case: ReadCase, n_queries: int, unused: list[bool], r
         assert torch.equal(a, b), f"grad of input {i}: max diff {(a - b).abs().max()}"
 
 
+def check_block_read_backward(case: ReadCase, n_queries: int, wanted: str, route: str,
+                              backend: str = BACKEND):  # fmt: skip
+    """``block_read_backward`` (what a recomputing caller runs: the forward again without
+    autograd, then the backward directly) == autograd through ``block_read``, bit for bit, with
+    gradients of ``out``, ``lse`` or both (``wanted``). ``route``: "direct" (plain tensors: the
+    implementation) or "op" (a function mode: the registered backward op)."""
+    values, keys, queries = make_read(case, n_queries)
+    inputs = leaves(values, keys, queries)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    out, lse = custom_ops.block_read(values, keys, queries, backend=backend)
+    grad_out = torch.randn(out.shape, generator=g) if wanted != "lse" else None
+    grad_lse = torch.randn(lse.shape, generator=g) if wanted != "out" else None
+    pairs = [(o, w) for o, w in ((out, grad_out), (lse, grad_lse)) if w is not None]
+    outs, weights = zip(*pairs)
+    want = torch.autograd.grad(outs, inputs, weights, allow_unused=True)
+    detached = [x.detach() for x in inputs]
+    n, m = case.sources, (0 if keys is None else case.sources)
+    with torch.no_grad():
+        _, lse2 = custom_ops.block_read(detached[:n], detached[n : n + m] if m else None,
+                                        detached[-1], backend=backend)  # fmt: skip
+        assert torch.equal(lse2, lse.detach())
+        with _NoOpFunctionMode() if route == "op" else contextlib.nullcontext():
+            gv, gk, gq = custom_ops.block_read_backward(
+                detached[:n], detached[n : n + m] if m else None, detached[-1], lse2,
+                grad_out, grad_lse, backend=backend,
+            )  # fmt: skip
+    assert (gk is None) == (keys is None)
+    got = [*gv, *(gk or []), gq]
+    for i, (a, b, x) in enumerate(zip(got, want, inputs, strict=True)):
+        b = torch.zeros_like(x) if b is None else b
+        assert a.dtype == x.dtype and a.shape == x.shape, f"grad of input {i}"
+        if backend == "reference":
+            assert_close(f"grad of input {i}", a, b, case.dtype)
+        else:
+            assert torch.equal(a, b), f"grad of input {i}: max diff {(a - b).abs().max()}"
+
+
 def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND):
     """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read
     (docs/method.md §7)."""
@@ -153,6 +190,29 @@ def test_block_read_matches_per_query_reference(case, n_queries):
 )
 def test_split_block_read_is_the_unsplit_one(case, unused, route):
     check_split_block_read(case, len(unused), unused, route)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    read_cases(max_sources=12),
+    st.integers(1, 6),
+    st.sampled_from(["out", "lse", "both"]),
+    st.sampled_from(["direct", "op"]),
+)
+def test_block_read_backward_is_block_reads_own(case, n_queries, wanted, route):
+    check_block_read_backward(case, n_queries, wanted, route)
+
+
+@settings(deadline=None, max_examples=10)
+@given(read_cases(max_sources=6), st.integers(1, 4), st.sampled_from(["out", "lse", "both"]))
+def test_block_read_backward_reference(case, n_queries, wanted):
+    check_block_read_backward(case, n_queries, wanted, "direct", backend="reference")
+
+
+def test_block_read_backward_refuses_a_wrong_lse():
+    values, keys, queries = make_read(ReadCase((2, 3), 8, 4, 3, True, torch.float32, 0), 2)
+    with pytest.raises(ValueError, match=r"lse has shape \(2, 3\), the read's is \(2, 2, 3\)"):
+        custom_ops.block_read_backward(values, keys, queries, torch.zeros(2, 3), None, None)
 
 
 @settings(deadline=None, max_examples=25)
