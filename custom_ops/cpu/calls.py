@@ -202,6 +202,7 @@ def call(lib, kernel: str, /, **args) -> None:
         if len(plans) >= 256:  # a decode step repeats the same few
             plans.clear()
         plan = plans[key] = _plan(kernel, params, key)
+    tables = []  # (list, need, table) built by this call: a list passed twice is checked once
     try:
         for i, need, size, width, room in plan:
             x, offset = ordered[i], 0
@@ -214,13 +215,32 @@ def call(lib, kernel: str, /, **args) -> None:
                     ):  # fmt: skip
                 ordered[i] = x.data_ptr() + 4 * offset  # fp32: 4 bytes
             elif need.table or need.__class__ is _Strides:
-                ordered[i] = _table(ordered[i], need, args)
+                for seen, seen_need, table in tables:
+                    if seen is x and _covers(seen_need, need, args):
+                        ordered[i] = table
+                        break
+                else:
+                    ordered[i] = _table(x, need, args)
+                    tables.append((x, need, ordered[i]))
             elif x is not None or need.__class__ is not _Flat or not need.null:  # else NULL
                 stride = args[need.stride] if need.__class__ is _Rows else None
                 ordered[i] = _address(ordered[i], need, stride)
     except _Refused as e:
         raise ValueError(f"{kernel} argument {params[i][0]}{e}") from None
     getattr(lib, kernel)(*ordered)
+
+
+def _covers(checked, need, args: dict) -> bool:
+    """Whether a table that passed ``checked`` also meets ``need`` (sliced keys are the values'
+    tails: their rows pass as the values' do; a value gradient table serves as the keys')."""
+    if checked.__class__ is not need.__class__ or checked.table != need.table:
+        return False
+    if need.__class__ is _Strides:
+        return True
+    if need.__class__ is _Flat:
+        return not checked.null and not need.null and checked.size >= need.size
+    return (checked.rows >= need.rows and checked.width >= need.width
+            and args[checked.stride] is args[need.stride])  # fmt: skip
 
 
 def _table(value, need, args: dict):
