@@ -162,6 +162,27 @@ class _BankRead:
         return *gv, *(gk or ()), *gq.unbind(0)
 
 
+class _SiteRead(_BankRead):
+    """One site's read of completed sources only (a block end; every site of Full) as
+    :class:`_RecomputedRead` runs it: phase 1 with its one query, cast to the values' dtype.
+    Its backward is the op's, given the ``lse`` of the read's last run (kept: ``[...]`` fp32,
+    1/d of h)."""
+
+    __slots__ = ("lse",)
+
+    def __init__(self, n: int, projected: bool, eps: float | None, backend: str):
+        super().__init__(n, 1, projected, eps, backend)
+        self.lse = None
+
+    def __call__(self, *tensors: torch.Tensor):
+        out, self.lse = super().__call__(*tensors)
+        return out[0].to(tensors[0].dtype)
+
+    def backward(self, tensors, outputs, grads) -> tuple:
+        lse, self.lse = self.lse, None
+        return super().backward(tensors, (None, lse), (grads[0].float()[None], None))
+
+
 class _Rebuild:
     """What a sublayer saves in place of a tensor a recomputed read made: the read's node, which
     of its outputs, and the layout of the view saved."""
@@ -454,7 +475,10 @@ class DepthRouter(Module):
         it for :meth:`recompute_input`."""
         values, keys = self.sources(state)
         tensors = [*values, *(keys or []), self.query(t)]
-        read = functools.partial(self._site_read, len(values), state.partial is not None)
+        if state.partial is None and self.backend != "reference":  # a block end
+            read = _SiteRead(len(values), self.projected, self.eps, self.backend)
+        else:
+            read = functools.partial(self._site_read, len(values), state.partial is not None)
         state.last_read = _RecomputedRead.apply(read, *tensors)
         return state.last_read
 
