@@ -32,7 +32,10 @@ reading them keep no copy of what they made (:meth:`DepthRouter.recompute_input`
 backward rebuilds it from those inputs. Block source sets on the fused backends recompute per
 block: each block's phase-1 read once (the first of its sites' backwards rebuilds it for all of
 them), the merges inside the sublayers' checkpointed graphs. Full and the reference backend
-recompute per site: each site's whole read.
+recompute per site: each site's whole read. A recomputed read of completed sources only (a
+block's phase 1; Full's sites) runs again without autograd and its backward is the op's
+(``custom_ops.block_read_backward``); one with a merge (reference backend, tensor parallel)
+rebuilds its autograd graph.
 """
 
 from __future__ import annotations
