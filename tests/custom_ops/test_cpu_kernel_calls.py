@@ -466,6 +466,29 @@ def test_the_inline_checks_are_the_full_checks(monkeypatch, case):
             assert inline == full, (label, stride)
 
 
+def test_a_list_passed_twice_is_checked_once(monkeypatch):
+    """A sliced read passes its values as the keys too (and their row strides): the table is
+    built and checked once, with the same addresses as for two equal lists; a list that meets
+    the first use's check meets the weaker second's. Different row strides: checked anew."""
+    built = []
+    table = calls._table
+    monkeypatch.setattr(calls, "_table", lambda *a: built.append(a[1]) or table(*a))
+    args = _read_fwd_args(r=3)
+    args.update(sliced=1, kp=args["vp"], ks=args["vs"])
+    shared = _outcome("read_fwd", args)
+    assert len(built) == 2  # vp and vs; kp and ks reuse them
+    built.clear()
+    copies = _outcome("read_fwd", {**args, "kp": list(args["vp"]), "ks": list(args["vs"])})
+    assert len(built) == 4 and copies == shared
+    built.clear()
+    bad = dict(args, vp=[*args["vp"][:-1], args["vp"][-1][:, :-1]])  # its last rows too narrow
+    bad.update(kp=bad["vp"])
+    assert _outcome("read_fwd", bad).startswith("read_fwd argument vp[2]")
+    built.clear()
+    _outcome("read_fwd", {**args, "ks": list(args["vs"])})
+    assert [n.stride for n in built if isinstance(n, calls._Rows)] == ["vs", "ks"]  # anew
+
+
 @pytest.mark.parametrize("sizes", [dict(sources=0), dict(queries=0), dict(n=0), dict(r=0)])
 def test_empty_sizes_are_checked_alike(monkeypatch, sizes):
     """No source, query, token or key dim: the call goes through or raises a ValueError, the same
