@@ -147,7 +147,7 @@ def _empty(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     return x.new_empty(shape, dtype=x.dtype if dtype is None else dtype)
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
 
 
 def plain(*tensors) -> bool:
@@ -159,7 +159,7 @@ def plain(*tensors) -> bool:
         return False
     if torch._C._len_torch_function_stack():
         return False
-    return all(t is None or type(t) in _PLAIN for t in tensors)
+    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
 
 
 def tensors_of(args) -> list:

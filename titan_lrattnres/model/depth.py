@@ -55,6 +55,7 @@ from torchtitan.protocols.module import Module
 
 import custom_ops
 from custom_ops import reference
+from custom_ops.ops import PLAIN_TYPES
 from custom_ops.schedule import schedule_ends
 
 
@@ -218,7 +219,7 @@ def _pack_rebuilt(outputs: list[tuple[torch.Tensor, int | None]]):
         weak.append((StorageWeakRef(storage), t.grad_fn, i, t.dtype))
 
     def pack(t):
-        if t.__class__ in _PLAIN:
+        if t.__class__ in PLAIN_TYPES:
             address = t.data_ptr()
             for start, end, node, index, dtype in known:
                 if start <= address < end and t.dtype == dtype:
@@ -238,9 +239,6 @@ def _pack_rebuilt(outputs: list[tuple[torch.Tensor, int | None]]):
         return saved
 
     return pack, unpack
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 # A selective-AC region inside saved-tensor hooks warns that torch will route the tensors it
