@@ -100,8 +100,9 @@ def blocks(
     (registers on GPU; under the interpreter cost is per program, so tiles are large, but
     BLOCK_D stays small enough that tests exercise the loop over d tiles). ``gpu`` picks the
     GPU (True) or interpreter (False) branch; None follows ``TRITON_INTERPRET``. ``beside_acc``:
-    the key step's ``[BLOCK_C, BLOCK_T, BLOCK_R]`` product is live beside that accumulator (the
-    forward), so on GPU it gets half the budget.
+    the key step's ``[BLOCK_C, BLOCK_T, BLOCK_R]`` product is live beside other tiles (the
+    forward's accumulator; in the backward, dh's key columns and the dq partial), so on GPU it
+    gets half the budget.
     """
     bc = pow2(n_queries)
     if not (gpu if gpu is not None else not INTERPRET):
@@ -115,7 +116,8 @@ def blocks(
     budget = budget or 4096
     bd = min(pow2(d), 4096, max(128, budget // bc))
     bt = _floor2(min(64, budget // (bc * bd)))
-    # ptxas -v, forward, bf16 d = r = 1024, c = 1: BLOCK_R 1024 -> 80 regs + 8 B spill, 512 -> 64.
+    # ptxas -v, forward, bf16 d = r = 1024, c = 1: BLOCK_R 1024 -> 80 regs + 8 B spill, 512 -> 64;
+    # backward, bf16 d = r = 64, c = 1 (64 tokens): BLOCK_R 64 -> 128 regs + 8 B spill, 32 -> 105.
     key_budget = 2048 if beside_acc else 4096
     br = min(pow2(rank), _floor2(max(16, key_budget // (bc * bt))))
     return bc, bt, bd, br, 8 if bc * bt * bd >= 4096 else 4

@@ -308,7 +308,7 @@ def merge_bwd_launch(
     _, bt, bd, br, warps = common.blocks(1, d, rank, 2048, gpu=gpu)
     warps *= 2
     programs = triton.cdiv(t, bt)
-    dq = torch.zeros((programs, rank), dtype=torch.float32, device=dev)
+    dq = torch.empty((programs, rank), dtype=torch.float32, device=dev)  # each column stored once
     launch = common.Launch(
         _merge_bwd_kernel,
         (programs,),

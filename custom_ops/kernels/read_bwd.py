@@ -1,17 +1,21 @@
 """Backward of the depth read: recomputes the routing from the saved log-sum-exp.
 
-A program owns BLOCK_T tokens (all d, looping over d tiles) and walks the sources twice:
+A program owns BLOCK_T tokens and all C queries, and makes three passes over its S sources:
 
-    pass 1, per source:  ℓ_{c,s}, rstd_s (key loop), α = e^{ℓ-lse}, dα_{c,s} = <dh_c, v_s>,
-                         Dc += α dα, Zc += α.  (α, dα, ℓ, rstd) go to a small fp32 scratch.
-    renormalise:         α ← α / Z, D ← D / Z (Z = 1 up to rounding; see pass 2)
-    pass 2, per source:  dℓ = α (dα - D + dlse)
-                         dv_s = Σ_c α_c dh_c                 (+ dk in the tail if sliced)
-                         dk_s = rstd (Σ_c dℓ_c q_c - k_s rstd Σ_c dℓ_c ℓ_c / r)  (RMSNorm bwd)
-                         dq_c += Σ_tokens dℓ_c rstd k_s     (per-program partial, summed after)
+    keys:    ℓ_{c,s}, rstd_s (key loop over r tiles), α = e^{ℓ-lse}, Z = Σ_s α; (α, ℓ) and rstd
+             go to a small fp32 scratch. Renormalised α̂ = α / Z (Z = 1 up to rounding: with
+             α / Σα the gradients are as exact as the eager softmax's).
+    values:  per d tile, the output's gradient dh_c is loaded once for all sources; per source
+             dα_{c,s} += <dh_c, v_s> (into the scratch) and dv_s = Σ_c α̂_c dh_c is stored (the
+             columns that hold no key); then D_c = Σ_s α̂ dα.
+    keys:    per r tile, per source dℓ = α̂ (dα - D + dlse),
+             dk_s = rstd (Σ_c dℓ_c q_c - k_s rstd Σ_c dℓ_c ℓ_c / r)   (RMSNorm backward),
+             dq_c = Σ_tokens Σ_s dℓ_c rstd k_s (the program's partial, summed after);
+             a sliced key's dk is added to its value's gradient there, dv of those columns too.
 
-Sources are read twice in total (values once in pass 1, keys again in pass 2), no fp32 copy of
-any source is stored. Bytes per token ≈ (2S+1)·d·size + 2·S·r·size + O(S) fp32.
+Bytes per token ≈ S·d (values, once) + c·d (dh, once: fp32 or the read's dtype) + S·d (their
+gradients) + 2·S·r (keys, twice) + c·r (dh's key columns again, sliced) + O(S·c) fp32 scratch:
+no source is read once per query or dh once per source.
 """
 
 from __future__ import annotations
@@ -34,19 +38,6 @@ def _load_bank_tile(PTR, ct, mask_ct, offs_d, mask_d, D):
 
 
 @triton.jit
-def _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R):
-    """``common.key_grad`` of one key tile ``k [BLOCK_T, BLOCK_R]`` (key columns ``offs_r``):
-    returns dk and adds Σ_tokens dℓ_c k̄ to the program's partial dq."""
-    q = common.load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)
-    dk, kbar = common.key_grad(tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0), k, rstd, g)
-    dq = tl.sum(dlogit[:, :, None] * kbar[None, :, :], axis=1)
-    dq_ptrs = dq_base + offs_c[:, None] * R + offs_r[None, :]
-    mask_cr = mask_c[:, None] & mask_r[None, :]
-    tl.store(dq_ptrs, tl.load(dq_ptrs, mask=mask_cr, other=0.0) + dq, mask=mask_cr)
-    return dk
-
-
-@triton.jit
 def _read_bwd_kernel(
     VALS,  # bucket-padded tuple of [T, D] values, unit column stride, one dtype
     V_STRIDES,  # tuple of the values' row strides (elements)
@@ -57,10 +48,10 @@ def _read_bwd_kernel(
     Q,  # [NC, R] query bank, contiguous
     LSE,  # [NC, T] fp32 saved log-sum-exp
     DOUT,  # [NC, T, D] grad of the output, contiguous, any float dtype
-    DLSE,  # [NC, T] fp32 grad of the lse
-    SCRATCH,  # [S, 3, NC, T] fp32 (α, dα, ℓ) written in pass 1, read in pass 2
-    RSTD,  # [S, T] fp32 key rstd, written in pass 1
-    DQ,  # [P, NC, R] fp32 zero-initialised per-program partial dq (P = number of programs)
+    DLSE,  # [NC, T] fp32 grad of the lse (not read unless HAS_DLSE)
+    SCRATCH,  # [S, 3, NC, T] fp32 (α, dα, ℓ): α and ℓ written by the first pass, dα by the second
+    RSTD,  # [S, T] fp32 key rstd, written by the first pass
+    DQ,  # [P, NC, R] fp32 per-program partial dq (P = number of programs), written
     S,
     T,
     D,
@@ -68,6 +59,7 @@ def _read_bwd_kernel(
     NC,
     eps,
     SLICED: tl.constexpr,  # key = the value's last R columns; its grad goes into the value's
+    HAS_DLSE: tl.constexpr,  # the lse has a gradient
     V_ALIGN: tl.constexpr,  # divides D and every value row stride
     K_ALIGN: tl.constexpr,  # divides R and every key row stride
     BLOCK_C: tl.constexpr,
@@ -84,83 +76,108 @@ def _read_bwd_kernel(
     ct = offs_c[:, None] * T + offs_t[None, :]
     mask_ct = mask_c[:, None] & mask_t[None, :]
     lse = tl.load(LSE + ct, mask=mask_ct, other=0.0)
-    big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     z = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
 
+    # keys: α, ℓ, rstd
     for s in range(S):
-        v_ptr, v_stride, k_ptr, k_stride = common.source(
+        _, _, k_ptr, k_stride = common.source(
             VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
         )
         logit, rstd = common.bank_logits(
             k_ptr, k_stride, Q, offs_t, mask_t, offs_c, mask_c, R, eps, BLOCK_C, BLOCK_T, BLOCK_R
         )
         alpha = tl.exp(logit - lse)
-        dalpha = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            v = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_d)
-            dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
-            dalpha += tl.sum(dh * v[None, :, :], axis=2)
-        big_d += alpha * dalpha
         z += alpha
         base = SCRATCH + s * 3 * NC * T
         tl.store(base + ct, alpha, mask=mask_ct)
-        tl.store(base + NC * T + ct, dalpha, mask=mask_ct)
         tl.store(base + 2 * NC * T + ct, logit, mask=mask_ct)
         tl.store(RSTD + s * T + offs_t, rstd, mask=mask_t)
-
-    # pass 2 reads scratch written by other threads of this program
-    tl.debug_barrier()
-    # Renormalise: e^{ℓ-lse} sums to 1 only up to rounding, and in dα - D that error is
-    # amplified for a dominant source; with α/Σα the result is as exact as the eager softmax.
     inv_z = tl.where(mask_ct, 1.0 / z, 0.0)
-    big_d = big_d * inv_z
-    dlse = tl.load(DLSE + ct, mask=mask_ct, other=0.0)
-    dq_base = DQ + pid * NC * R
+    # the next passes read scratch written by other threads of this program
+    tl.debug_barrier()
+
+    # values: dα (every column), dv (the columns that hold no key)
+    value_end = D - R if SLICED else D
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
+        mask_dv = mask_t[:, None] & (offs_d < value_end)[None, :]
+        for s in range(S):
+            v_ptr = common.pick(VALS, s)
+            v_stride = common.aligned(common.pick(V_STRIDES, s), V_ALIGN)
+            v = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_d)
+            base = SCRATCH + s * 3 * NC * T
+            # this thread's own store of the last d tile (0 before the first)
+            dalpha = tl.load(base + NC * T + ct, mask=mask_ct & (d0 > 0), other=0.0)
+            tl.store(base + NC * T + ct, dalpha + tl.sum(dh * v[None, :, :], axis=2), mask=mask_ct)
+            if d0 < value_end:
+                alpha = tl.load(base + ct, mask=mask_ct, other=0.0) * inv_z
+                gv_ptr = common.pick(GVALS, s)
+                tl.store(
+                    gv_ptr + offs_t[:, None] * D + offs_d[None, :],
+                    tl.sum(alpha[:, :, None] * dh, axis=0).to(gv_ptr.dtype.element_ty),
+                    mask=mask_dv,
+                )
+    tl.debug_barrier()
+    big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     for s in range(S):
         base = SCRATCH + s * 3 * NC * T
-        alpha = tl.load(base + ct, mask=mask_ct, other=0.0) * inv_z
-        dalpha = tl.load(base + NC * T + ct, mask=mask_ct, other=0.0)
-        logit = tl.load(base + 2 * NC * T + ct, mask=mask_ct, other=0.0)
-        rstd = tl.load(RSTD + s * T + offs_t, mask=mask_t, other=0.0)
-        dlogit = alpha * (dalpha - big_d + dlse)
-        # Σ_c dℓ_c ℓ_c · rstd / r: the k-proportional term of the RMSNorm backward
-        g = tl.sum(dlogit * logit, axis=0) * rstd / R
-        gv_ptr = common.pick(GVALS, s)
-        v_ptr, v_stride, k_ptr, k_stride = common.source(
-            VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
-        )
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            mask_td = mask_t[:, None] & mask_d[None, :]
-            dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
-            dv = tl.sum(alpha[:, :, None] * dh, axis=0)
-            if SLICED:
-                offs_j = offs_d - (D - R)
-                mask_j = mask_d & (offs_j >= 0)
-                k = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_j)
-                dk = _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_j, mask_j, R)
-                dv += tl.where(mask_j[None, :], dk, 0.0)
-            tl.store(
-                gv_ptr + offs_t[:, None] * D + offs_d[None, :],
-                dv.to(gv_ptr.dtype.element_ty),
-                mask=mask_td,
+        alpha = tl.load(base + ct, mask=mask_ct, other=0.0)
+        big_d += alpha * tl.load(base + NC * T + ct, mask=mask_ct, other=0.0)
+    big_d = big_d * inv_z
+    if HAS_DLSE:
+        dlse = tl.load(DLSE + ct, mask=mask_ct, other=0.0)
+
+    # keys: dℓ, dk (+ a sliced key's dv), dq
+    dq_base = DQ + pid * NC * R
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        mask_tr = mask_t[:, None] & mask_r[None, :]
+        if SLICED:  # the value columns this key tile is
+            dh = _load_bank_tile(DOUT, ct, mask_ct, (D - R) + offs_r, mask_r, D)
+        dq = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
+        for s in range(S):
+            v_ptr, _, k_ptr, k_stride = common.source(
+                VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
             )
-        if not SLICED:
-            gk_ptr = common.pick(GKEYS, s)
-            for r0 in range(0, R, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                mask_r = offs_r < R
-                mask_tr = mask_t[:, None] & mask_r[None, :]
-                k = common.load_tile(k_ptr, offs_t, k_stride, offs_r, mask_t, mask_r)
-                dk = _key_grad(dlogit, k, rstd, g, Q, dq_base, offs_c, mask_c, offs_r, mask_r, R)
+            base = SCRATCH + s * 3 * NC * T
+            alpha = tl.load(base + ct, mask=mask_ct, other=0.0) * inv_z
+            dalpha = tl.load(base + NC * T + ct, mask=mask_ct, other=0.0)
+            logit = tl.load(base + 2 * NC * T + ct, mask=mask_ct, other=0.0)
+            rstd = tl.load(RSTD + s * T + offs_t, mask=mask_t, other=0.0)
+            dl = dalpha - big_d
+            if HAS_DLSE:
+                dl += dlse
+            dlogit = alpha * dl
+            # Σ_c dℓ_c ℓ_c · rstd / r: the k-proportional term of the RMSNorm backward
+            g = tl.sum(dlogit * logit, axis=0) * rstd / R
+            k = common.load_tile(k_ptr, offs_t, k_stride, offs_r, mask_t, mask_r)
+            q = common.load_tile(Q, offs_c, R, offs_r, mask_c, mask_r)  # from cache
+            dlq = tl.sum(dlogit[:, :, None] * q[:, None, :], axis=0)
+            dk, kbar = common.key_grad(dlq, k, rstd, g)
+            dq += tl.sum(dlogit[:, :, None] * kbar[None, :, :], axis=1)
+            if SLICED:
+                gv_ptr = common.pick(GVALS, s)
+                dv = tl.sum(alpha[:, :, None] * dh, axis=0) + dk
+                tl.store(
+                    gv_ptr + offs_t[:, None] * D + ((D - R) + offs_r)[None, :],
+                    dv.to(gv_ptr.dtype.element_ty),
+                    mask=mask_tr,
+                )
+            else:
+                gk_ptr = common.pick(GKEYS, s)
                 tl.store(
                     gk_ptr + offs_t[:, None] * R + offs_r[None, :],
                     dk.to(gk_ptr.dtype.element_ty),
                     mask=mask_tr,
                 )
+        tl.store(
+            dq_base + offs_c[:, None] * R + offs_r[None, :],
+            dq,
+            mask=mask_c[:, None] & mask_r[None, :],
+        )
 
 
 def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None):
@@ -190,28 +207,26 @@ def read_bwd_launch(
     t, n, n2 = src.values[0].shape[0], len(values), len(src.values)
     if grad_out is None:
         grad_out = torch.zeros((nc, t, d), dtype=torch.float32, device=dev)
-    if grad_lse is None:
-        grad_lse = torch.zeros((nc, t), dtype=torch.float32, device=dev)
     dout = grad_out.reshape(nc, t, d).contiguous()
-    dlse = grad_lse.reshape(nc, t).float().contiguous()
     lse2 = lse.reshape(nc, t).float().contiguous()
+    dlse = lse2 if grad_lse is None else grad_lse.reshape(nc, t).float().contiguous()
     gv = [torch.empty((t, d), dtype=values[0].dtype, device=dev) for _ in range(n)]
     gk = None
     if keys is not None:
         gk = [torch.empty((t, rank), dtype=src.keys[0].dtype, device=dev) for _ in range(n)]
-    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu)
+    bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu, beside_acc=True)
     programs = triton.cdiv(t, bt)
     scratch = torch.empty((n, 3, nc, t), dtype=torch.float32, device=dev)
     rstd = torch.empty((n, t), dtype=torch.float32, device=dev)
-    dq = torch.zeros((programs, nc, rank), dtype=torch.float32, device=dev)
+    dq = torch.empty((programs, nc, rank), dtype=torch.float32, device=dev)
     launch = common.Launch(
         _read_bwd_kernel,
         (programs,),
         (src.values, src.value_strides, src.keys, src.key_strides, common.padded(gv, n2),
          None if gk is None else common.padded(gk, n2), queries.contiguous(), lse2, dout, dlse,
          scratch, rstd, dq, n, t, d, rank, nc, eps),
-        dict(SLICED=keys is None, V_ALIGN=src.value_align, K_ALIGN=src.key_align,
-             BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
+        dict(SLICED=keys is None, HAS_DLSE=grad_lse is not None, V_ALIGN=src.value_align,
+             K_ALIGN=src.key_align, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
     grad_values = [g.view(*lead, d) for g in gv]
