@@ -25,8 +25,9 @@ to the JSON (rewritten after every section), so one failure never hides the othe
    for the same case (fake tensors on the CPU, a subprocess started with sections 3-4);
    ``measured_over_predicted`` per variant.
 6. ``op_bandwidth``: ``benchmarks.ops`` with the Triton backend, sliced keys r=64, d in {1024,
-   4096} x S in {5, 9, 17, 49}, 16k tokens, bf16: GB/s of the minimal bytes and their share of
-   the copy bandwidth measured in the same run.
+   4096} x S in {5, 9, 17, 49} (one site's read), and d=1024 x S in {5, 9} over a bank of 6
+   queries (a Block N=8 model's phase-1 read, fp32 out), 16k tokens, bf16: GB/s of the minimal
+   bytes and their share of the copy bandwidth measured in the same run.
 7. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model at L=24 d=1024 T=2048
    (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled) per
    variant, forward + backward (no optimizer: the step of the CPU bars), ratio to the baseline
@@ -64,7 +65,7 @@ and runs in ~0.1 s (cap 60 s; the variants done by then are reported). grad_pari
 backend only on GPU (the compiled one is covered on CPU by the tests; on CUDA its 8 inductor
 compiles would cost ~1 min); 1,200 tokens, d=1000 (odd sizes): milliseconds. op_bandwidth: Triton
 only (the compiled backend's inductor compiles cost ~1 min and carry no target), 20 timed calls per
-shape between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 8 shapes x a few Triton
+shape between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 10 shapes x a few Triton
 compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targets (standard Block
 N=8 and Full have none and would add ~40 s of compile each); inductor compiling the sublayer graphs
 dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x <= 50 ms = 3 s of
@@ -275,9 +276,11 @@ def memory_section(res, started, device, timeout):
 
 def op_bandwidth(res, device, dry):
     if dry:
-        shapes, backends = [(64, 96, 8, 3, True)], ["reference", "compiled"]
+        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, True, 6)]
+        backends = ["reference", "compiled"]
     else:
         shapes = [(16384, d, 64, s, True) for d in (1024, 4096) for s in (5, 9, 17, 49)]
+        shapes += [(16384, 1024, 64, s, True, 6) for s in (5, 9)]  # Block N=8's phase 1
         backends = ["triton"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     res.update(op_bench.run(device, shapes, dtype, repeat=3 if dry else 20, backends=backends))

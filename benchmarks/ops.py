@@ -2,9 +2,12 @@
 
     python -m benchmarks.ops [--json PATH] [--device cpu|cuda] [--dry-run]
 
-Minimal-bytes model per token: forward (S+1)·d·size (read S values,
-write h), backward (2S+1)·d·size (read S values and dh, write S value grads). An op whose
-forward or any gradient disagrees with the eager reference is reported and NOT timed.
+Each shape is a one-site read (``custom_ops.depth_read``, c = 1: Full's sites, decoding) or a
+block's phase-1 read over a bank of c queries (``custom_ops.block_read``, c > 1: what a Block
+model runs once per block in training, fp32 out). Minimal-bytes model per token: forward
+S·d·size + c·d·out_size (read S values, write the c outputs), backward 2S·d·size + c·d·out_size
+(read S values and the outputs' gradients, write S value grads); keys are not counted. An op
+whose forward or any gradient disagrees with the eager reference is reported and NOT timed.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def copy_bandwidth(device, repeat: int = 10, nbytes: int | None = None) -> float
     return 2 * nbytes / t / 1e9
 
 
-def make_inputs(tokens, d, r, sources, sliced, dtype, device, seed=0):
+def make_inputs(tokens, d, r, sources, sliced, dtype, device, seed=0, queries=1):
+    """Values, keys (None: sliced) and the query: ``[r]``, or a bank ``[queries, r]``."""
     # Drawn on the device: the GPU shapes reach 13 GB of fp32 draws, ~10 s on one CPU core.
     g = torch.Generator(device=device).manual_seed(seed)
 
@@ -70,7 +74,7 @@ def make_inputs(tokens, d, r, sources, sliced, dtype, device, seed=0):
 
     vals = [randn(tokens, d).to(dtype) for _ in range(sources)]
     keys = None if sliced else [randn(tokens, r).to(dtype) for _ in range(sources)]
-    query = randn(r)
+    query = randn(r) if queries == 1 else randn(queries, r)
     for t in [*vals, *(keys or []), query]:
         t.requires_grad_(True)
     return vals, keys, query
@@ -87,27 +91,34 @@ def _fwd_bwd(fn, inputs, grad):
     return out, grads
 
 
+def read(vals, keys, query, backend):
+    """The read a shape times: one site's (``query [r]``) or a bank's output (``[c, r]``)."""
+    if query.dim() == 1:
+        return custom_ops.depth_read(vals, keys, query, backend=backend)
+    return custom_ops.block_read(vals, keys, query, backend=backend)[0]
+
+
 def check(backend, vals, keys, query, grad) -> float:
     """Largest relative RMS error of out and every gradient vs the reference backend."""
     inputs = [*vals, *(keys or []), query]
-    ref = _fwd_bwd(
-        lambda: custom_ops.depth_read(vals, keys, query, backend="reference"), inputs, grad
-    )
-    got = _fwd_bwd(lambda: custom_ops.depth_read(vals, keys, query, backend=backend), inputs, grad)
+    ref = _fwd_bwd(lambda: read(vals, keys, query, "reference"), inputs, grad)
+    got = _fwd_bwd(lambda: read(vals, keys, query, backend), inputs, grad)
     errs = [_rel(got[0], ref[0])] + [_rel(a, b) for a, b in zip(got[1], ref[1], strict=True)]
     return max(errs)
 
 
-def bench_shape(tokens, d, r, sources, sliced, dtype, device, backends, repeat):
-    vals, keys, query = make_inputs(tokens, d, r, sources, sliced, dtype, device)
+def bench_shape(tokens, d, r, sources, sliced, dtype, device, backends, repeat, queries=1):
+    vals, keys, query = make_inputs(tokens, d, r, sources, sliced, dtype, device, queries=queries)
     inputs = [*vals, *(keys or []), query]
-    grad = torch.randn(tokens, d, device=device).to(dtype)
-    size = torch.finfo(dtype).bits // 8
-    fwd_bytes = (sources + 1) * d * size * tokens
-    bwd_bytes = (2 * sources + 1) * d * size * tokens
+    out_dtype = dtype if queries == 1 else torch.float32  # a bank's out is fp32
+    grad = torch.randn(*query.shape[:-1], tokens, d, device=device).to(out_dtype)
+    size, out_size = dtype.itemsize, out_dtype.itemsize
+    fwd_bytes = (sources * size + queries * out_size) * d * tokens
+    bwd_bytes = (2 * sources * size + queries * out_size) * d * tokens
     rows = []
     for backend in backends:
-        row = dict(tokens=tokens, d=d, r=r, S=sources, keys="sliced" if sliced else "projected",
+        row = dict(tokens=tokens, d=d, r=r, S=sources, c=queries,
+                   keys="sliced" if sliced else "projected",
                    dtype=str(dtype).removeprefix("torch."), backend=backend)  # fmt: skip
         err = check(backend, vals, keys, query, grad)
         row["max_rel_err"] = err
@@ -119,18 +130,17 @@ def bench_shape(tokens, d, r, sources, sliced, dtype, device, backends, repeat):
 
         def fwd(backend=backend):
             with torch.no_grad():
-                custom_ops.depth_read(vals, keys, query, backend=backend)
+                read(vals, keys, query, backend)
 
         def fwd_bwd(backend=backend):
-            out = custom_ops.depth_read(vals, keys, query, backend=backend)
-            torch.autograd.grad(out, inputs, grad)
+            torch.autograd.grad(read(vals, keys, query, backend), inputs, grad)
 
         tf, tfb = timeit(fwd, device, repeat), timeit(fwd_bwd, device, repeat)
         row.update(fwd_ms=tf * 1e3, fwd_bwd_ms=tfb * 1e3, fwd_gbps=fwd_bytes / tf / 1e9,
                    fwd_bwd_gbps=(fwd_bytes + bwd_bytes) / tfb / 1e9,
                    bwd_gbps=bwd_bytes / (tfb - tf) / 1e9 if tfb > tf else float("nan"))  # fmt: skip
         rows.append(row)
-    ref = {(r["backend"]): r for r in rows if "fwd_ms" in r}
+    ref = {r["backend"]: r for r in rows if "fwd_ms" in r}
     for row in rows:
         if "fwd_ms" in row and "reference" in ref:
             row["fwd_speedup_vs_reference"] = ref["reference"]["fwd_ms"] / row["fwd_ms"]
@@ -139,15 +149,14 @@ def bench_shape(tokens, d, r, sources, sliced, dtype, device, backends, repeat):
 
 
 def run(device, shapes, dtype, repeat, backends=None):
+    """``shapes``: ``(tokens, d, r, S, sliced[, c])``, c = 1 when left out."""
     device = torch.device(device)
     if backends is None:
         backends = ["reference", "compiled"] + (["triton"] if device.type == "cuda" else [])
     result = {"device": str(device), **environment(device), "rows": []}
     result["copy_gbps"] = copy_bandwidth(device)
-    for tokens, d, r, sources, sliced in shapes:
-        result["rows"] += bench_shape(
-            tokens, d, r, sources, sliced, dtype, device, backends, repeat
-        )
+    for shape in shapes:
+        result["rows"] += bench_shape(*shape[:5], dtype, device, backends, repeat, *shape[5:])
     if "copy_gbps" in result:
         for row in result["rows"]:
             if "fwd_gbps" in row:
@@ -158,7 +167,7 @@ def run(device, shapes, dtype, repeat, backends=None):
 
 
 def print_table(result):
-    cols = ["backend", "keys", "d", "r", "S", "tokens", "fwd_ms", "fwd_bwd_ms", "fwd_gbps",
+    cols = ["backend", "keys", "d", "r", "S", "c", "tokens", "fwd_ms", "fwd_bwd_ms", "fwd_gbps",
             "bwd_gbps", "fwd_pct_copy", "fwd_bwd_pct_copy", "bwd_pct_copy",
             "fwd_speedup_vs_reference", "fwd_bwd_speedup_vs_reference", "max_rel_err"]  # fmt: skip
     cols = [c for c in cols if any(c in row for row in result["rows"])]
@@ -187,11 +196,13 @@ def main(argv=None):
         keep_freed_memory()
     repeat = args.repeat or (5 if cuda else 21)
     if args.dry_run:
-        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, False)]
+        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, False), (64, 96, 8, 3, True, 6)]
     elif cuda:
         shapes = [(16384, d, 64, s, True) for d in (1024, 4096) for s in (5, 9, 17, 49)]
+        shapes += [(16384, 1024, 64, s, True, 6) for s in (5, 9)]
     else:
         shapes = [(2048, 1024, 64, s, sl) for s in (5, 9) for sl in (True, False)]
+        shapes += [(2048, 1024, 64, 9, True, 6)]
     dtype = torch.bfloat16 if cuda else torch.float32
     result = run(args.device, shapes, dtype, repeat)
     print_table(result)
