@@ -16,11 +16,11 @@ A program owns BLOCK_T tokens and all C queries, and makes three passes over its
 Bytes per token ≈ S·d (values, once) + c·d (dh, once: fp32 or the read's dtype) + S·d (their
 gradients) + 2·S·r (keys, twice) + c·r (dh's key columns again, sliced) + O(S·c) fp32 scratch:
 no source is read once per query or dh once per source. The dq partials add 2·c·r fp32 per
-token block (written, then summed): 7 % of those bytes at c = 6, d = 1024, r = 64, one token per
-block, but ~80 % at r = d. A persistent kernel (a program per several token blocks, one partial
-for all) would save them, but its loop took 80 -> 110 registers (ptxas, sm_90, c = 6, d = 1024),
-3 -> 2 resident programs per SM, in a kernel whose value loads wait on latency; which wins at
-r = d is a GPU measurement.
+token block (written, then summed): at c = 6, d = 1024, one token per block, bf16 and S = 9 to 5,
+5-7 % of those bytes at r = 64 but 80-110 % at r = d. A persistent kernel (a program per several
+token blocks, one partial for all) would save them, but its loop took 80 -> 110-116 registers
+(ptxas, sm_90, c = 6, d = 1024): 3 -> 2 resident programs per SM, in a kernel whose value loads
+wait on latency. Which wins at r = d is a GPU measurement.
 """
 
 from __future__ import annotations
