@@ -109,8 +109,9 @@ def _read_bwd_kernel(
         dh = _load_bank_tile(DOUT, ct, mask_ct, offs_d, mask_d, D)
         mask_dv = mask_t[:, None] & (offs_d < value_end)[None, :]
         for s in range(S):
-            v_ptr = common.pick(VALS, s)
-            v_stride = common.aligned(common.pick(V_STRIDES, s), V_ALIGN)
+            v_ptr, v_stride, _, _ = common.source(
+                VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
+            )
             v = common.load_tile(v_ptr, offs_t, v_stride, offs_d, mask_t, mask_d)
             base = SCRATCH + s * 3 * NC * T
             # this thread's own store of the last d tile (0 before the first)
@@ -144,7 +145,7 @@ def _read_bwd_kernel(
             dh = _load_bank_tile(DOUT, ct, mask_ct, (D - R) + offs_r, mask_r, D)
         dq = tl.zeros([BLOCK_C, BLOCK_R], tl.float32)
         for s in range(S):
-            v_ptr, _, k_ptr, k_stride = common.source(
+            _, _, k_ptr, k_stride = common.source(
                 VALS, V_STRIDES, KEYS, K_STRIDES, s, D, R, SLICED, V_ALIGN, K_ALIGN
             )
             base = SCRATCH + s * 3 * NC * T

@@ -6,8 +6,21 @@ from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.custom_ops.tolerances import DTYPES
+
+
+class Seen(TorchDispatchMode):
+    """Records the name of every op dispatched under it (``aten.mul.Tensor``, ...) in ``ops``."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 @dataclass(frozen=True)

@@ -7,26 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import custom_ops
 from custom_ops import api
+from tests.custom_ops.cases import Seen
 
 
 def _direct(*tensors) -> bool:
     """Whether a call with these tensors runs the op's implementation without the dispatcher or
     autograd."""
     return api._route(tensors) == "direct"
-
-
-class Seen(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _inputs(projected: bool, dtype=torch.float32):
