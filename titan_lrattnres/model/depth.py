@@ -479,23 +479,22 @@ class DepthRouter(Module):
         if state.partial is None and self.backend != "reference":  # a block end
             read = _SiteRead(len(values), self.projected, self.eps, self.backend)
         else:
-            read = functools.partial(self._site_read, len(values), state.partial is not None)
+            read = functools.partial(self._site_read, len(values))
         state.last_read = _RecomputedRead.apply(read, *tensors)
         return state.last_read
 
-    def _site_read(self, n: int, partial: bool, *tensors: torch.Tensor) -> torch.Tensor:
-        """One site's read of its ``n`` sources (``partial``: the last is the running partial),
-        their keys when projected, then the query: the numbers of the two paths above."""
+    def _site_read(self, n: int, *tensors: torch.Tensor) -> torch.Tensor:
+        """One site's read of its ``n`` sources, their keys when projected, then the query: the
+        numbers of the two paths above. On the fused backends the last source is the running
+        partial (a read of completed sources only is :class:`_SiteRead`)."""
         values, query = list(tensors[:n]), tensors[-1]
         keys = list(tensors[n:-1]) if self.projected else None
         if self.backend == "reference":
             return self._read_one_pass(values, keys, query)
-        m = n - partial  # completed sources
+        m = n - 1  # completed sources
         out, lse = custom_ops.block_read(
             values[:m], keys and keys[:m], query[None], self.eps, backend=self.backend, split=True
         )
-        if not partial:
-            return out[0].to(values[0].dtype)
         return custom_ops.merge_partial(
             out[0], lse[0], values[m], keys and keys[m], query, self.eps, backend=self.backend
         )
