@@ -176,28 +176,80 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split:
 
 
 def block_read_backward(
-    values, keys, queries, lse, grad_out, grad_lse, eps=None, *, backend: str = "auto"
-):
+    values, keys, queries, lse, grad_out, grad_lse, eps=None, *, backend: str = "auto",
+    out=None, accumulate: bool = False,
+):  # fmt: skip
     """The gradients of :func:`block_read`'s ``(out, lse)`` with respect to its inputs, given
-    the forward's ``lse [c, ...]`` and ``grad_out [c, ..., d]`` / ``grad_lse [c, ...]`` (None:
-    zero): ``(grad_values, grad_keys or None (sliced), grad_queries [c, r])``, each in its
-    input's dtype, the numbers of ``block_read``'s own backward. For a caller that keeps only a
-    read's inputs and recomputes its forward without autograd (activation checkpointing): no
-    graph is recorded, and no nested backward pass runs."""
+    the forward's ``lse [c, ...]`` and ``grad_out [c, ..., d]`` (or a sequence of the c sites'
+    ``[..., d]``, None entries zero) / ``grad_lse [c, ...]`` (None: zero): ``(grad_values,
+    grad_keys or None (sliced), grad_queries [c, r])``, each in its input's dtype, the numbers
+    of ``block_read``'s own backward. For a caller that keeps only a read's inputs and
+    recomputes its forward without autograd (activation checkpointing): no graph is recorded,
+    and no nested backward pass runs.
+
+    ``out = (value_grads, key_grads or None)``: contiguous fp32 tensors shaped like the values
+    (keys) that receive the gradients, added to what they hold when ``accumulate``, and are
+    returned in their place. A caller summing each source's gradient over several reads (the
+    depth router) so keeps the sum in fp32, in place: the fused kernels (CPU and Triton) add
+    into the buffers as they go, with no gradient tensor per read and source."""
     values = list(values)
     keys = None if keys is None else list(keys)
     _validate(values, keys, queries, 2)
     c, lead = queries.shape[0], tuple(values[0].shape[:-1])
     if tuple(lse.shape) != (c, *lead):
         raise ValueError(f"lse has shape {tuple(lse.shape)}, the read's is {(c, *lead)}")
+    if out is not None:
+        out = _check_out(out, values, keys)
+    elif accumulate:
+        raise ValueError("accumulate=True needs out, the buffers to add the gradients to")
     impl = _backend(backend, values[0])
+    if isinstance(grad_out, (list, tuple)):
+        grad_out = list(grad_out)
+        if len(grad_out) != c:
+            raise ValueError(f"grad_out has {len(grad_out)} sites' gradients, the read {c}")
     if impl == "reference":  # the reference's own autograd
-        return _reference_backward(values, keys, queries, grad_out, grad_lse, eps)
-    args = (values, keys or [], queries, lse, grad_out, grad_lse, _eps(eps), impl)
-    gv, gk, gq = ops._backward_call(
-        torch.ops.lrattnres.read_backward, ops._read_backward_any, *args
-    )
-    return list(gv), (None if keys is None else list(gk)), gq
+        if isinstance(grad_out, list):
+            grad_out = ops._stacked(grad_out, values[0])
+        found = _reference_backward(values, keys, queries, grad_out, grad_lse, eps)
+        return (*ops.written(out, accumulate, *found[:2]), found[2])
+    args = [values, keys or [], queries, lse, grad_out, grad_lse, _eps(eps), impl]
+    if ops._backward_direct(*args):  # the implementation, writing into out itself
+        gv, gk, gq = ops._read_backward_any(*args, out, accumulate)
+        return list(gv), (None if keys is None else list(gk)), gq
+    if isinstance(grad_out, list):  # the op takes one tensor
+        args[4] = ops._stacked(grad_out, values[0])
+    gv, gk, gq = torch.ops.lrattnres.read_backward(*args)
+    gk = None if keys is None else list(gk)
+    return (*ops.written(out, accumulate, list(gv), gk), gq)
+
+
+def _check_out(out, values, keys) -> tuple:
+    """``block_read_backward``'s ``out`` as ``(list, list or None)``, once each buffer is known
+    to be a contiguous fp32 tensor of its source's shape on its device; a ValueError otherwise."""
+    if not isinstance(out, (list, tuple)) or len(out) != 2:
+        raise ValueError("out must be (value_grads, key_grads or None)")
+    pairs = [("value", out[0], values)]
+    if keys is not None:
+        pairs.append(("key", out[1], keys))
+    elif out[1] is not None:
+        raise ValueError("out has key gradients, but the keys are sliced (keys=None)")
+    for kind, bufs, like in pairs:
+        if bufs is None or len(bufs) != len(like):
+            have = "none" if bufs is None else len(bufs)
+            raise ValueError(f"out has {have} {kind} gradient buffers for {len(like)} {kind}s")
+        for i, (g, x) in enumerate(zip(bufs, like)):
+            if (
+                g.dtype != torch.float32
+                or g.shape != x.shape
+                or g.device != x.device
+                or not g.is_contiguous()
+            ):
+                raise ValueError(
+                    f"out {kind} gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}"
+                    f"{'' if g.is_contiguous() else ', not contiguous'}: it must be a contiguous "
+                    f"float32 tensor of shape {tuple(x.shape)} on {x.device}"
+                )
+    return list(out[0]), None if keys is None else list(out[1])
 
 
 def _reference_backward(values, keys, queries, grad_out, grad_lse, eps):

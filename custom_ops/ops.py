@@ -118,21 +118,38 @@ def _stacked(grad_outs, like: torch.Tensor):
     return torch.stack([zero() if g is None else g for g in grad_outs])
 
 
-def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
+def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl, out=None, add=False):
     """``grad_out``: ``[C, ..., d]`` or a list of C per-query gradients (None: zero), which only
-    the CPU kernels read in place; every other kernel gets them stacked."""
+    the CPU kernels read in place; every other kernel gets them stacked. ``out``: ``(value
+    grads, key grads or None)`` the gradients are written into (added to with ``add``; the
+    fused kernels write them there, the others through a temporary)."""
+    if impl == "compiled" and queries.device.type == "cpu" and (out or isinstance(grad_out, list)):
+        result = cpu.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, out, add)
+        if result is not None:
+            return result
     if isinstance(grad_out, list):
-        if impl == "compiled" and queries.device.type == "cpu":
-            result = cpu.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
-            if result is not None:
-                return result
         grad_out = _stacked(grad_out, values[0])
     if impl == "triton":
         from custom_ops.kernels import read_bwd
 
-        return read_bwd.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
+        return read_bwd.read_bwd(
+            values, keys, queries, lse, grad_out, grad_lse, eps, out=out, accumulate=add
+        )
     args = (values, keys, queries, lse, grad_out, grad_lse, eps)
-    return _compiled_impl("read_bwd", queries.device, *args)
+    gv, gk, gq = _compiled_impl("read_bwd", queries.device, *args)
+    return (*written(out, add, gv, gk), gq)
+
+
+def written(out, add: bool, gv, gk) -> tuple:
+    """``(gv, gk)``, value and key gradients a backward made itself, written into ``out =
+    (value buffers, key buffers or None)`` (fp32; added to with ``add``), which are returned in
+    their place; ``(gv, gk)`` as they are when ``out`` is None."""
+    if out is None:
+        return gv, gk
+    for mine, bufs in zip((gv, gk), out):
+        if mine is not None:
+            (torch._foreach_add_ if add else torch._foreach_copy_)(bufs, [g.float() for g in mine])
+    return list(out[0]), None if gk is None else list(out[1])
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -356,10 +373,15 @@ def _read_backward_impl(
     return _read_backward_any(values, keys, queries, lse, grad_out, grad_lse, eps, impl)
 
 
-def _read_backward_any(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
-    """``read_backward``'s implementation; ``grad_out`` may also be a list (``_read_bwd``)."""
+def _read_backward_any(
+    values, keys, queries, lse, grad_out, grad_lse, eps, impl, out=None, add=False
+):  # fmt: skip
+    """``read_backward``'s implementation; ``grad_out`` may also be a list, and ``out`` /
+    ``add`` name buffers the gradients go into (``_read_bwd``; ``api.block_read_backward``)."""
     ks = keys if len(keys) else None
-    gv, gk, gq = _read_bwd(values, ks, queries, lse, grad_out, grad_lse, eps, impl)
+    gv, gk, gq = _read_bwd(values, ks, queries, lse, grad_out, grad_lse, eps, impl, out, add)
+    if out is not None:
+        return gv, gk or [], _fresh(gq, queries.dtype)
     gv = [_fresh(g, v.dtype) for g, v in zip(gv, values, strict=True)]
     gk = [] if gk is None else [_fresh(g, k.dtype) for g, k in zip(gk, keys, strict=True)]
     return gv, gk, _fresh(gq, queries.dtype)

@@ -31,7 +31,7 @@ from custom_ops.reference import DEFAULT_EPS
 # LRATTNRES_CPU_KERNELS=0 (or ENABLED = False): every call left to the composite
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
 _SOURCE = Path(__file__).with_name("depth_read.c")
-ABI = 3  # lrattnres_cpu_abi() of a library this wrapper can call
+ABI = 4  # lrattnres_cpu_abi() of a library this wrapper can call
 _MIN_TOKENS_PER_THREAD = 64
 
 
@@ -224,10 +224,14 @@ def _per_query_rows(grad_out, nc: int, n: int, d: int):
     return [_flat(g) for g in grad_out]
 
 
-def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
+def read_bwd(
+    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False
+):
     """``composite.read_bwd`` fused, or None when not applicable. ``grad_out``: ``[C, ..., d]``
     or a sequence of C per-query gradients ``[..., d]`` (None entries: zero), each read where it
-    lies (``api.block_read(split=True)``'s backward: no stacked copy)."""
+    lies (``api.block_read(split=True)``'s backward: no stacked copy). ``out``: ``(value grads,
+    key grads or None)``, fp32 buffers the gradients are written into (added to what they hold
+    when ``accumulate``) and returned as; the call checks each before its address is taken."""
     per_query = grad_out if isinstance(grad_out, (list, tuple)) else (grad_out,)
     tensors = (*values, *(keys or ()), queries, lse, *per_query, grad_lse)
     if not _usable(*tensors) or (lib := library()) is None:
@@ -236,14 +240,17 @@ def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
-    gv = [_empty(shape) for _ in values]
-    gk = None if keys is None else [_empty(k.shape) for k in keys]
+    if out is None:
+        gv = [_empty(shape) for _ in values]
+        gk = None if keys is None else [_empty(k.shape) for k in keys]
+    else:
+        gv, gk = out
     dq = _empty((nc, rank))
     vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), lse=_flat(lse),
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
-         dq=dq, threads=_threads(n))  # fmt: skip
+         acc=int(accumulate), dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
 
 

@@ -337,16 +337,24 @@ static void read_fwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
     free(l);
 }
 
+/* dst[0, m) += src[0, m): the sum each column of an accumulated gradient gets (acc). */
+static void add_row(float *restrict dst, const float *restrict src, int64_t m) {
+    for (int64_t j = 0; j < m; j++) dst[j] += src[j];
+}
+
 /* Backward of read_fwd. dout: C contiguous [n, d] gradients, one per query (the table or any
  * entry may be NULL: zero); dlse [C, n] may be NULL. gv: S contiguous [n, d];
- * gk: S contiguous [n, r] (unused if sliced); dq [C, r] partial of this call, accumulated. */
+ * gk: S contiguous [n, r] (unused if sliced); dq [C, r] partial of this call, accumulated.
+ * acc: gv and gk get each source's gradient added to what they hold (a row made whole in a
+ * scratch row first, then added: the sum of a separate gradient and the buffer, bit for bit). */
 static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, const float *lse,
               const float *const *dout, const float *dlse, float *const *gv,
-              float *const *gk, float *dq, int64_t t0, int64_t t1) {
-    float *l = malloc(sizeof(float) * (S * C * 3 + S + C));
+              float *const *gk, int acc, float *dq, int64_t t0, int64_t t1) {
+    float *l = malloc(sizeof(float) * (S * C * 3 + S + C + (acc ? S * d + r : 0)));
     float *a = l + S * C, *dl = a + S * C, *rstd = dl + S * C, *b = rstd + S;
+    float *rows = b + C, *krow = rows + S * d; /* acc: each source's gradient row, a key's */
     const float **dh = malloc(sizeof(float *) * C);
     for (int64_t i = t0; i < t1; i++) {
         for (int64_t c = 0; c < C; c++) dh[c] = dout && dout[c] ? dout[c] + i * d : NULL;
@@ -370,7 +378,8 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         }
         int64_t head = sliced ? d - r : d; /* a source's columns that are not its key */
         for (int64_t s = 0; s < S; s++) /* dl holds da = <dh_c, v_s> until rescaled below */
-            dots_mix(vp[s] + i * vs[s], dh, C, a + s * C, d, head, dl + s * C, gv[s] + i * d);
+            dots_mix(vp[s] + i * vs[s], dh, C, a + s * C, d, head, dl + s * C,
+                     acc ? rows + s * d : gv[s] + i * d);
         for (int64_t c = 0; c < C; c++) {
             double big_d = 0;
             for (int64_t s = 0; s < S; s++) big_d += (double)a[s * C + c] * dl[s * C + c];
@@ -381,8 +390,14 @@ static void read_bwd_range(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r
         for (int64_t s = 0; s < S; s++) {
             const float *k = key_row(vp, vs, kp, ks, sliced, s, i, d, r);
             keyterms kt = key_terms(k, rstd[s], l + s * C, dl + s * C, q, C, r, b, dq);
-            key_grad(dh, C, a + s * C, head, sliced, &kt, gv[s] + i * d,
-                     sliced ? NULL : gk[s] + i * r);
+            if (!acc) {
+                key_grad(dh, C, a + s * C, head, sliced, &kt, gv[s] + i * d,
+                         sliced ? NULL : gk[s] + i * r);
+                continue;
+            }
+            key_grad(dh, C, a + s * C, head, sliced, &kt, rows + s * d, sliced ? NULL : krow);
+            add_row(gv[s] + i * d, rows + s * d, d);
+            if (!sliced) add_row(gk[s] + i * r, krow, r);
         }
     }
     free(dh);
@@ -485,10 +500,10 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
 /* The wrapper's contract (each entry point's arguments and what lies behind each pointer),
  * bumped on any change: custom_ops.cpu.build refuses a library that answers another number
  * (benchmarks.cpu_kernels builds other revisions of this file). 2: dq is the summed gradient;
- * 3: read_bwd's dout is a table of C per-query gradients. The exported functions' parameters
+ * 3: read_bwd's dout is a table of C per-query gradients; 4: read_bwd's acc. The exported functions' parameters
  * (order, names, types) are custom_ops.cpu.calls.SIGNATURES, checked against these definitions at
  * load; what lies behind each pointer is custom_ops.cpu.calls._memory, checked before each call. */
-int lrattnres_cpu_abi(void) { return 3; }
+int lrattnres_cpu_abi(void) { return 4; }
 
 /* dq = part[0] + part[1] + ... (threads rows of m, in thread order: deterministic); frees part.
  * Rows of threads OpenMP did not start stay zero. */
@@ -514,13 +529,13 @@ void read_bwd(int64_t S, int64_t C, int64_t n, int64_t d, int64_t r, int sliced,
               const float *const *vp, const int64_t *vs, const float *const *kp,
               const int64_t *ks, const float *q, double eps, const float *lse,
               const float *const *dout, const float *dlse, float *const *gv, float *const *gk,
-              float *dq, int threads) {
+              int acc, float *dq, int threads) {
     float *part = calloc((size_t)threads * C * r, sizeof(float));
 #pragma omp parallel num_threads(threads)
     {
         SPLIT(n)
         read_bwd_range(S, C, n, d, r, sliced, vp, vs, kp, ks, q, eps, lse, dout, dlse, gv, gk,
-                       part + (int64_t)t * C * r, t0, t1);
+                       acc, part + (int64_t)t * C * r, t0, t1);
     }
     sum_partials(part, threads, C * r, dq);
 }

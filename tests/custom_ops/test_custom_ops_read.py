@@ -141,6 +141,47 @@ def check_block_read_backward(case: ReadCase, n_queries: int, wanted: str, route
             assert torch.equal(a, b), f"grad of input {i}: max diff {(a - b).abs().max()}"
 
 
+def check_block_read_backward_into(case: ReadCase, n_queries: int, accumulate: bool,
+                                   per_site: bool, backend: str = BACKEND):  # fmt: skip
+    """``block_read_backward(out=..., accumulate=...)`` writes into (adds to) the fp32 buffers it
+    is given and returns them: in fp32 bit for bit the gradients it returns without ``out`` (plus
+    what the buffers held), in 16 bits those gradients before their rounding. Written buffers
+    start as NaN, so a column left unwritten fails; ``per_site``: ``grad_out`` as the sites'
+    list."""
+    values, keys, queries = make_read(case, n_queries)
+    values, queries = [v.detach() for v in values], queries.detach()
+    keys = None if keys is None else [k.detach() for k in keys]
+    g = torch.Generator().manual_seed(case.seed + 1)
+    with torch.no_grad():
+        out, lse = custom_ops.block_read(values, keys, queries, backend=backend)
+        grad_out = torch.randn(out.shape, generator=g)
+        grad_lse = torch.randn(lse.shape, generator=g)
+        if per_site:
+            grad_out = [None if c % 2 else grad_out[c] for c in range(n_queries)]
+        gv, gk, gq = custom_ops.block_read_backward(
+            values, keys, queries, lse, grad_out, grad_lse, backend=backend
+        )
+        sources = [("value", values, gv)] + ([("key", keys, gk)] if keys is not None else [])
+        held = {kind: [torch.randn(x.shape, generator=g) for x in xs] for kind, xs, _ in sources}
+        bufs = {
+            kind: [h.clone() if accumulate else torch.full_like(h, float("nan")) for h in hs]
+            for kind, hs in held.items()
+        }
+        got = custom_ops.block_read_backward(
+            values, keys, queries, lse, grad_out, grad_lse, backend=backend,
+            out=(bufs["value"], bufs.get("key")), accumulate=accumulate,
+        )  # fmt: skip
+    assert torch.equal(got[2], gq), "the queries' gradient"
+    for (kind, _, fresh), mine in zip(sources, got[:2]):
+        for i, (buf, f, h) in enumerate(zip(mine, fresh, held[kind], strict=True)):
+            assert buf is bufs[kind][i] and buf.dtype == torch.float32, f"{kind} {i}: not out's"
+            want = h + f.float() if accumulate else f.float()
+            if case.dtype == torch.float32:
+                assert torch.equal(buf, want), f"{kind} {i}: max diff {(buf - want).abs().max()}"
+            else:  # (Triton's interpreter truncates a 16-bit store, a GPU rounds it)
+                assert_close(f"{kind} gradient {i}", buf, want, case.dtype)
+
+
 def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND):
     """Phase 1 on sources[:-1] + phase 2 with the last source == the one-pass read
     (docs/method.md §7)."""
@@ -221,6 +262,46 @@ def test_block_read_backward_refuses_a_wrong_lse():
     values, keys, queries = make_read(ReadCase((2, 3), 8, 4, 3, True, torch.float32, 0), 2)
     with pytest.raises(ValueError, match=r"lse has shape \(2, 3\), the read's is \(2, 2, 3\)"):
         custom_ops.block_read_backward(values, keys, queries, torch.zeros(2, 3), None, None)
+
+
+@settings(deadline=None, max_examples=25)
+@given(read_cases(max_sources=12), st.integers(1, 6), st.booleans(), st.booleans())
+def test_block_read_backward_into_buffers(case, n_queries, accumulate, per_site):
+    check_block_read_backward_into(case, n_queries, accumulate, per_site)
+
+
+@settings(deadline=None, max_examples=8)
+@given(read_cases(max_sources=6), st.integers(1, 4), st.booleans(), st.booleans())
+def test_block_read_backward_into_buffers_reference(case, n_queries, accumulate, per_site):
+    check_block_read_backward_into(case, n_queries, accumulate, per_site, backend="reference")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda v, k: (v[:1], k), r"out has 1 value gradient buffers for 2 values"),
+        (lambda v, k: ([v[0].double(), v[1]], k), r"out value gradient 0 is torch.float64"),
+        (lambda v, k: (v, None), r"out has none key gradient buffers for 2 keys"),
+        (
+            lambda v, k: (v, [k[0], k[1].transpose(0, 1).contiguous().transpose(0, 1)]),
+            r"out key gradient 1 .*, not contiguous",
+        ),
+        (lambda v, k: v[0], r"out must be \(value_grads, key_grads or None\)"),
+    ],
+)
+def test_block_read_backward_refuses_wrong_buffers(change, message):
+    """A wrong ``out`` is refused in one line before any kernel writes to it."""
+    values, keys, queries = make_read(ReadCase((3, 3), 8, 3, 2, False, torch.float32, 0), 2)
+    with torch.no_grad():
+        _, lse = custom_ops.block_read(values, keys, queries)
+    bufs = ([torch.zeros(3, 3, 8) for _ in values], [torch.zeros(3, 3, 3) for _ in keys])
+    with pytest.raises(ValueError, match=message) as e:
+        custom_ops.block_read_backward(values, keys, queries, lse, None, None, out=change(*bufs))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="accumulate=True needs out"):
+        custom_ops.block_read_backward(values, keys, queries, lse, None, None, accumulate=True)
+    with pytest.raises(ValueError, match="grad_out has 1 sites' gradients, the read 2"):
+        custom_ops.block_read_backward(values, keys, queries, lse, [None], None)
 
 
 @settings(deadline=None, max_examples=25)

@@ -17,6 +17,7 @@ from tests.custom_ops.cases import ReadCase, read_cases
 from tests.custom_ops.test_custom_ops_read import (
     check_block_read,
     check_block_read_backward,
+    check_block_read_backward_into,
     check_depth_read,
     check_merge_partial,
 )
@@ -49,6 +50,17 @@ def test_block_read_kernels(case, n_queries):
 )
 def test_block_read_backward_kernels(case, n_queries, wanted):
     check_block_read_backward(case, n_queries, wanted, "direct", backend="triton")
+
+
+@settings(deadline=None, max_examples=6)
+@given(
+    read_cases(max_sources=6, widths=WIDTHS, max_tokens=40),
+    st.integers(1, 5),
+    st.booleans(),
+    st.booleans(),
+)
+def test_block_read_backward_into_buffers_kernels(case, n_queries, accumulate, per_site):
+    check_block_read_backward_into(case, n_queries, accumulate, per_site, backend="triton")
 
 
 @settings(deadline=None, max_examples=8)
