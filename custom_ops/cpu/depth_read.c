@@ -500,9 +500,10 @@ static void merge_bwd_range(int64_t n, int64_t d, int64_t r, int sliced, const f
 /* The wrapper's contract (each entry point's arguments and what lies behind each pointer),
  * bumped on any change: custom_ops.cpu.build refuses a library that answers another number
  * (benchmarks.cpu_kernels builds other revisions of this file). 2: dq is the summed gradient;
- * 3: read_bwd's dout is a table of C per-query gradients; 4: read_bwd's acc. The exported functions' parameters
- * (order, names, types) are custom_ops.cpu.calls.SIGNATURES, checked against these definitions at
- * load; what lies behind each pointer is custom_ops.cpu.calls._memory, checked before each call. */
+ * 3: read_bwd's dout is a table of C per-query gradients; 4: read_bwd's acc. The exported
+ * functions' parameters (order, names, types) are custom_ops.cpu.calls.SIGNATURES, checked against
+ * these definitions at load; what lies behind each pointer is custom_ops.cpu.calls._memory,
+ * checked before each call. */
 int lrattnres_cpu_abi(void) { return 4; }
 
 /* dq = part[0] + part[1] + ... (threads rows of m, in thread order: deterministic); frees part.

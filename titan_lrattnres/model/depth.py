@@ -580,9 +580,12 @@ class DepthRouter(Module):
     def _sink(state: DepthState, n: int, tensors) -> tuple[_Sink | None, int]:
         """``(sink, fresh)`` for a read of the state's first ``n`` sources (:class:`_Sink`):
         the state's sink, and how many of them earlier reads took, when the read records a
-        graph of plain tensors (else ``(None, 0)``: autograd sums the sources' gradients;
-        under tensor parallel, the SPMD type checker or a trace)."""
-        if not torch.is_grad_enabled() or not custom_ops.ops.plain(*tensors):
+        graph of local tensors, eagerly (dispatch modes included: the memory tracker sees the
+        sums training makes); else ``(None, 0)`` and autograd sums the sources' gradients:
+        under tensor parallel (DTensor), a function mode (the SPMD type checker) or a trace."""
+        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return None, 0
+        if torch._C._len_torch_function_stack() or any(isinstance(t, DTensor) for t in tensors):
             return None, 0
         if not any(t.requires_grad for t in tensors):
             return None, 0
