@@ -163,7 +163,7 @@ class DepthState:
     last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
     recomputed: list | None = None  # recompute_reads per block: phase 1's (out, lse), recomputed
     per_block: bool | None = None  # recompute_reads: per block (else per site); set on first use
-    sink: _Sink = field(default_factory=_Sink)  # the completed sources' gradients
+    sink: _Sink | None = None  # the completed sources' gradients (made by the first read using it)
     taken: int = 0  # sources (from the embedding on) that a read with the sink has taken
 
 
@@ -589,6 +589,8 @@ class DepthRouter(Module):
             return None, 0
         if not any(t.requires_grad for t in tensors):
             return None, 0
+        if state.sink is None:
+            state.sink = _Sink()
         fresh, state.taken = state.taken, max(state.taken, n)
         return state.sink, fresh
 
