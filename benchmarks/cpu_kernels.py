@@ -169,13 +169,17 @@ def compare(libs: dict, reps: int) -> list[dict]:
     return rows
 
 
+DEPTH_OPS = ("merge_partial", "block_read", "_KeptRead")  # in the names of the depth ops
+
+
 def _depth_op_ms(prof) -> dict[str, float]:
-    """Self CPU time (ms) of each depth-read op in a profiled step: the ops' autograd twins,
-    forward and backward (names with ``merge_partial`` or ``block_read``)."""
+    """Self CPU time (ms) of each depth-read op in a profiled step, forward and backward: the
+    ops' autograd twins (names with ``merge_partial`` or ``block_read``) and the router's
+    phase-1 reads (``_KeptRead``)."""
     return {
         e.key: e.self_cpu_time_total / 1e3
         for e in prof.key_averages()
-        if ("merge_partial" in e.key or "block_read" in e.key) and "evaluate_function" not in e.key
+        if any(n in e.key for n in DEPTH_OPS) and "evaluate_function" not in e.key
     }
 
 
