@@ -91,30 +91,37 @@ def sublayer_calls(model, tokens, calls: int) -> dict[str, dict[str, float]]:
 
 
 def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
-    """``{sources: {"forward", "forward_backward"}}`` of the model's phase-1 read (its
-    variant, rank, one block's queries; ``seq`` tokens), in us per call, at the model's first,
-    middle and last source counts."""
+    """``{sources: {"forward", "forward_backward"}}`` of the model's phase-1 read as its
+    router runs it in a training step (``depth._KeptRead`` over the forward's
+    ``custom_ops.SourceBank``: its variant, rank, one block's queries; ``seq`` tokens), in us per
+    call, at the model's first, middle and last source counts. Each read has one source no
+    earlier read took, whose gradient sum it hands on; the others' sums it adds to."""
     import custom_ops
+    from titan_lrattnres.model.depth import _BankRead, _KeptRead
 
     router, d = model.router, model.config.dim
     counts = sorted({1, 1 + len(router.ends) // 2, len(router.ends)})
-    queries = torch.randn(router.num_sublayers // len(router.ends), router.rank)
+    c = router.num_sublayers // len(router.ends)
     out = {}
     for s in counts:
         values = [torch.randn(1, seq, d, requires_grad=True) for _ in range(s)]
         keys = None
         if router.projected:
             keys = [torch.randn(1, seq, router.rank, requires_grad=True) for _ in range(s)]
-        q = queries.clone().requires_grad_()
+        queries = [torch.randn(router.rank, requires_grad=True) for _ in range(c)]
+        bank = custom_ops.SourceBank(router.eps, router.backend)
+        bank.extend(values, keys)
+        read = _BankRead(s, c, router.projected, router.eps, router.backend, bank, s - 1)
+        inputs = [*values, *(keys or ()), *queries]
 
-        def read(values=values, keys=keys, q=q):
-            return custom_ops.block_read(values, keys, q, router.eps, split=True)
+        def forward(read=read, inputs=inputs):
+            return _KeptRead.apply(read, *inputs)
 
-        def read_backward():
-            outs, lse = read()
-            torch.autograd.backward([*outs, lse], [torch.ones_like(o) for o in (*outs, lse)])
+        def forward_backward(forward=forward):
+            outs = forward()
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-        out[s] = {"forward": _us(read, calls), "forward_backward": _us(read_backward, calls)}
+        out[s] = {"forward": _us(forward, calls), "forward_backward": _us(forward_backward, calls)}
     return out
 
 

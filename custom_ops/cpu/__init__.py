@@ -24,7 +24,18 @@ from pathlib import Path
 
 import torch
 
-from custom_ops.cpu.calls import SIGNATURES, At, call, check_signatures
+from custom_ops.cpu.calls import (
+    _I,
+    _P,
+    SIGNATURES,
+    At,
+    Table,
+    _Flat,
+    _Rows,
+    _Strides,
+    call,
+    check_signatures,
+)
 from custom_ops.layout import rows
 from custom_ops.reference import DEFAULT_EPS
 
@@ -252,6 +263,98 @@ def read_bwd(
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
          acc=int(accumulate), dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
+
+
+class SourceTables:
+    """The read kernels' view of a bank of sources (``custom_ops.bank.SourceBank``): values
+    of one shape ``[..., d]`` (projected keys ``[..., r]``), fp32 CPU plain contiguous tensors,
+    each checked once, when it joins the bank (:meth:`fits`). A read of the first n then passes
+    their addresses as ``calls.Table``s, with no check per source and call; a read of every
+    source so far at every site (Full) otherwise checks O(L²) tensors a step."""
+
+    __slots__ = ("shape", "key_shape", "_strides")
+
+    def __init__(self, value: torch.Tensor, key: torch.Tensor | None):
+        self.shape = value.shape
+        self.key_shape = None if key is None else key.shape
+        self._strides: dict = {}  # (count, row stride): its strides Table
+
+    @staticmethod
+    def _plain(x, shape) -> bool:
+        return (x.__class__ in (torch.Tensor, torch.nn.Parameter) and x.dtype == _F32
+                and x.is_cpu and x.is_contiguous() and x.shape == shape)  # fmt: skip
+
+    def fits(self, value: torch.Tensor, key: torch.Tensor | None) -> bool:
+        """Whether the kernels can read this source (and its key) in place, as one of these."""
+        if not (self.shape[-1] and value.numel() and self._plain(value, self.shape)):
+            return False
+        if key is None:
+            return self.key_shape is None
+        return (
+            self.key_shape is not None and self.key_shape[-1] and self._plain(key, self.key_shape)
+        )
+
+    def _rows(self, tensors: list, n: int, stride: str) -> Table:
+        width = self.shape[-1] if stride == "vs" else self.key_shape[-1]
+        strides = self._strides.get((n, width))
+        if strides is None:
+            strides = self._strides[n, width] = Table((_I * n)(*[width] * n), _Strides(n))
+        rows = tensors[0].numel() // width
+        array = (_P * n)(*[x.data_ptr() for x in tensors[:n]])
+        return Table(array, _Rows(rows, width, stride, n), tuple(tensors[:n]), strides)
+
+    @staticmethod
+    def sums(buffers: list, width: int) -> Table:
+        """The table of a bank's gradient sums ``buffers``: fp32 CPU contiguous, one per source,
+        shaped like the values (width d) or keys (width r), made by the bank itself."""
+        rows, n = buffers[0].numel() // width, len(buffers)
+        array = (_P * n)(*[b.data_ptr() for b in buffers])
+        return Table(array, _Flat(rows * width, n), tuple(buffers))
+
+    def _sources(self, values: list, keys: list | None) -> tuple:
+        n = len(values)
+        vp = self._rows(values, n, "vs")
+        kp = vp if keys is None else self._rows(keys, n, "ks")
+        return vp, vp.strides, kp, kp.strides
+
+    def read_fwd(self, values: list, keys: list | None, queries: torch.Tensor, eps: float):
+        """``read_fwd`` of the bank's sources ``values`` (``keys``), each of which passed
+        :meth:`fits`: ``(out [c, ..., d], lse [c, ...])``; None when the kernels cannot take
+        ``queries`` ``[c, r]`` (not fp32 CPU) or are not loaded."""
+        if not _usable(queries) or (lib := library()) is None:
+            return None
+        q = _flat(queries)
+        nc, rank = q.shape
+        lead, d = self.shape[:-1], self.shape[-1]
+        rows = values[0].numel() // d
+        out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
+        vp, vs, kp, ks = self._sources(values, keys)
+        call(lib, "read_fwd", S=len(values), C=nc, n=rows, d=d, r=rank,
+             sliced=int(keys is None), vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), out=out,
+             lse=lse, threads=_threads(rows))  # fmt: skip
+        return out, lse
+
+    def read_bwd(self, values, keys, queries, lse, grad_out, grad_lse, eps, sums, key_sums, add):
+        """``read_bwd`` of the bank's sources into its fp32 ``sums`` (``key_sums``: projected),
+        written or added to (``add``); ``grad_out``: ``[c, ..., d]``, the c sites' gradients
+        (None entries: zero) or None. Returns the queries' gradient ``[c, r]`` fp32, or None when
+        the kernels cannot take the call's tensors (the bank then calls the op)."""
+        per_query = (grad_out,) if isinstance(grad_out, torch.Tensor) else grad_out or ()
+        if not _usable(queries, lse, grad_lse, *per_query) or (lib := library()) is None:
+            return None
+        q = _flat(queries)
+        nc, rank = q.shape
+        d = self.shape[-1]
+        rows = values[0].numel() // d
+        vp, vs, kp, ks = self._sources(values, keys)
+        gv = self.sums(sums, d)
+        gk = gv if key_sums is None else self.sums(key_sums, rank)
+        dq = _empty((nc, rank))
+        call(lib, "read_bwd", S=len(values), C=nc, n=rows, d=d, r=rank,
+             sliced=int(keys is None), vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps),
+             lse=_flat(lse), dout=_per_query_rows(grad_out, nc, rows, d), dlse=_flat(grad_lse),
+             gv=gv, gk=gk, acc=int(add), dq=dq, threads=_threads(rows))  # fmt: skip
+        return dq
 
 
 def _merge_inputs(out1, partial_value, partial_key, rank) -> tuple:

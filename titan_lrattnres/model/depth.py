@@ -38,7 +38,8 @@ block's phase 1; Full's sites) runs again without autograd and its backward is t
 rebuilds its autograd graph.
 
 The completed sources' gradients (fused backends, plain tensors): each phase-1 read adds its
-share into one fp32 buffer per source, in place (:class:`_Sink`), and a source's first read
+share into one fp32 buffer per source, in place (``custom_ops.SourceBank``, which on CPU also
+checks each source once, not at every read), and a source's first read
 hands the sum to autograd, which so sums no gradient per read and source (Full: O(L²) of them).
 """
 
@@ -73,79 +74,6 @@ def query_names(num_sublayers: int) -> list[str]:
     return [query_name(t) for t in range(1, num_sublayers + 1)]
 
 
-class _Sink:
-    """The completed sources' gradients of one forward, summed in fp32, in place, over the
-    phase-1 reads that take them (:class:`_BankRead` with a sink), where autograd would sum one
-    gradient tensor per read and source (Full at L=24: ~1,200 additions a step, each in the
-    source's own dtype).
-
-    Why a read may hand on a source's whole sum: a source's first read in the forward (the
-    sources from :class:`_BankRead`'s ``fresh`` on) runs its backward after every later read's,
-    since each later read depends on it through the sublayers its outputs feed and the source
-    they make, whose gradient that source's own first read hands on. So the latest read (the
-    first backward) writes every source's buffer, each earlier one adds into them (the fused
-    kernels in place: ``custom_ops.block_read_backward(out=...)``), and a source's first read
-    adds its share last and hands the buffer to autograd in the source's dtype. In fp32 that is
-    the sum autograd made, bit for bit (the same terms in the same order; under Block, sublayer
-    1's gradient of the embedding, which it reads itself, is now added after the reads' sum, not
-    before block 1's share); in bf16 one rounding where autograd rounded once a read."""
-
-    __slots__ = ("values", "keys")
-
-    def __init__(self):
-        self.values: list[torch.Tensor | None] = []  # per source (0: the embedding)
-        self.keys: list[torch.Tensor | None] = []  # projected keys, likewise
-
-    def read_backward(self, read: _BankRead, values, keys, queries, lse, grads) -> tuple:
-        """:meth:`_BankRead.backward` through the sink: the sources' gradients go into it, and
-        leave it (to autograd) from ``read.fresh`` on; the queries' gradients are returned."""
-        gq = None
-        if grads[0] is not None or grads[1] is not None:
-            held = (self._held(self.values, len(values)), keys and self._held(self.keys, len(keys)))
-            add = all(g is not None for g in held[0])
-            out = held if add else (_fp32_like(values), keys and _fp32_like(keys))
-            _, _, gq = custom_ops.block_read_backward(
-                values, keys, queries, lse, *grads, read.eps, backend=read.backend, out=out,
-                accumulate=add,
-            )  # fmt: skip
-            for store, mine, theirs in zip((self.values, self.keys), out, held):
-                if mine is not None and not add:
-                    _add_held(mine, theirs)
-                    store[: len(mine)] = mine
-        handed = self._hand(self.values, values, read.fresh)
-        if keys is not None:
-            handed += self._hand(self.keys, keys, read.fresh)
-        return *handed, *(gq.unbind(0) if gq is not None else (None,) * read.c)
-
-    @staticmethod
-    def _held(store: list, n: int) -> list:
-        if len(store) < n:
-            store += [None] * (n - len(store))
-        return store[:n]
-
-    @staticmethod
-    def _hand(store: list, sources, fresh: int) -> list:
-        """``[None] * fresh`` and, for each source from ``fresh`` on, its sum (None if no read
-        gave it a gradient) in its dtype, which leaves the sink."""
-        handed = [None] * fresh
-        for i in range(fresh, len(sources)):
-            g, store[i] = store[i], None
-            handed.append(None if g is None else g.to(sources[i].dtype))
-        return handed
-
-
-def _fp32_like(tensors) -> list[torch.Tensor]:
-    return [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in tensors]
-
-
-def _add_held(fresh: list, held: list) -> None:
-    """``fresh[i] += held[i]`` where a sum is held: a read that finds only some of its sources
-    held (one whose outputs reached no loss after a later read that did) wrote fresh buffers."""
-    pairs = [(f, h) for f, h in zip(fresh, held) if h is not None]
-    if pairs:
-        torch._foreach_add_([f for f, _ in pairs], [h for _, h in pairs])
-
-
 @dataclass
 class DepthState:
     """Sources of one forward pass. Values ``[B, T, d]``; projected keys ``[B, T, r]`` fp32."""
@@ -163,8 +91,8 @@ class DepthState:
     last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
     recomputed: list | None = None  # recompute_reads per block: phase 1's (out, lse), recomputed
     per_block: bool | None = None  # recompute_reads: per block (else per site); set on first use
-    sink: _Sink | None = None  # the completed sources' gradients (made by the first read using it)
-    taken: int = 0  # sources (from the embedding on) that a read with the sink has taken
+    bank: custom_ops.SourceBank | None = None  # the sources as reads take them, their gradients
+    taken: int = 0  # sources (from the embedding on) that a read with the bank has taken
 
 
 class _RecomputedRead(torch.autograd.Function):
@@ -200,8 +128,8 @@ class _RecomputedRead(torch.autograd.Function):
         outs = _RecomputedRead.rebuild(ctx)
         leaves, ctx.graph = ctx.graph[0], None
         needs = ctx.needs_input_grad[1:]
-        if leaves is None:  # the read's own backward (with a sink, the sums it holds too)
-            if all(g is None for g in grads) and getattr(ctx.read, "sink", None) is None:
+        if leaves is None:  # the read's own backward (with a bank, the sums it holds too)
+            if all(g is None for g in grads) and getattr(ctx.read, "bank", None) is None:
                 return None, *(None for _ in needs)
             found = ctx.read.backward(ctx.saved_tensors, outs, grads)
             return None, *(g if n else None for g, n in zip(found, needs, strict=True))
@@ -221,38 +149,50 @@ class _BankRead:
     """Phase 1 as :class:`_RecomputedRead` and :class:`_KeptRead` run it: ``n`` sources, their
     keys when ``projected``, then ``c`` queries ``[r]`` in; ``(out [c, ..., d] fp32, lse [c,
     ...])`` out. Its backward is the op's (``custom_ops.block_read_backward``): no graph of the
-    read is rebuilt and no nested backward pass runs, once per block. With a ``sink`` the
-    sources' gradients go there (:class:`_Sink`), and the read gives autograd those of the
-    sources from ``fresh`` on, which no earlier read of the forward took."""
+    read is rebuilt and no nested backward pass runs, once per block. With a ``bank``
+    (``custom_ops.SourceBank``, holding the same sources first) the read is the bank's: the
+    sources' gradients are summed there, and the read gives autograd those of the sources from
+    ``fresh`` on, which no earlier read of the forward took."""
 
-    __slots__ = ("n", "c", "projected", "eps", "backend", "sink", "fresh")
+    __slots__ = ("n", "c", "projected", "eps", "backend", "bank", "fresh")
 
     def __init__(
         self, n: int, c: int, projected: bool, eps: float | None, backend: str,
-        sink: _Sink | None = None, fresh: int = 0,
+        bank: custom_ops.SourceBank | None = None, fresh: int = 0,
     ):  # fmt: skip
         self.n, self.c, self.projected, self.eps, self.backend = n, c, projected, eps, backend
-        self.sink, self.fresh = sink, fresh
+        self.bank, self.fresh = bank, fresh
 
     def _split(self, tensors):
         values, queries = list(tensors[: self.n]), torch.stack(tensors[-self.c :])
         keys = list(tensors[self.n : -self.c]) if self.projected else None
         return values, keys, queries
 
+    def _sources(self, tensors) -> tuple:
+        n = self.n
+        return tensors[:n], tensors[n : 2 * n] if self.projected else None
+
     def __call__(self, *tensors: torch.Tensor):
+        if self.bank is not None:
+            queries = torch.stack(tensors[-self.c :])
+            return self.bank.read(self.n, queries, self._sources(tensors))
         values, keys, queries = self._split(tensors)
         return custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
 
     def backward(self, tensors, outputs, grads) -> tuple:
         """The inputs' gradients, given the outputs' ``grads`` (``(out [c, ..., d] or its c
         sites' list, lse [c, ...])``, None: zero) and the forward's ``outputs`` (its lse)."""
-        values, keys, queries = self._split(tensors)
-        if self.sink is not None:
-            return self.sink.read_backward(self, values, keys, queries, outputs[1], grads)
-        gv, gk, gq = custom_ops.block_read_backward(
-            values, keys, queries, outputs[1], *grads, self.eps, backend=self.backend
-        )
-        return *gv, *(gk or ()), *gq.unbind(0)
+        if self.bank is not None:
+            queries = torch.stack(tensors[-self.c :])
+            gv, gk, gq = self.bank.read_backward(
+                self.n, queries, outputs[1], *grads, self.fresh, self._sources(tensors)
+            )
+        else:
+            values, keys, queries = self._split(tensors)
+            gv, gk, gq = custom_ops.block_read_backward(
+                values, keys, queries, outputs[1], *grads, self.eps, backend=self.backend
+            )
+        return *gv, *(gk or ()), *(gq.unbind(0) if gq is not None else (None,) * self.c)
 
 
 class _KeptRead(torch.autograd.Function):
@@ -289,9 +229,9 @@ class _SiteRead(_BankRead):
 
     def __init__(
         self, n: int, projected: bool, eps: float | None, backend: str,
-        sink: _Sink | None = None, fresh: int = 0,
+        bank: custom_ops.SourceBank | None = None, fresh: int = 0,
     ):  # fmt: skip
-        super().__init__(n, 1, projected, eps, backend, sink, fresh)
+        super().__init__(n, 1, projected, eps, backend, bank, fresh)
         self.lse = None
 
     def __call__(self, *tensors: torch.Tensor):
@@ -557,14 +497,14 @@ class DepthRouter(Module):
         keys = [state.embedding_key, *state.keys] if self.projected else None
         queries = [self.query(site) for site in range(first, nxt)]
         tensors = [*values, *(keys or []), *queries]
-        sink = self._sink(state, len(values), tensors)
-        read = _BankRead(len(values), len(queries), self.projected, self.eps, self.backend, *sink)
+        bank = self._bank(state, values, keys, queries)
+        read = _BankRead(len(values), len(queries), self.projected, self.eps, self.backend, *bank)
         if self.recompute_reads:  # it keeps the query parameters themselves, not their stack
             out, lse = _RecomputedRead.apply(read, *tensors)
             state.recomputed = [(out, 0), (lse, 1)]
             state.phase1 = (out.unbind(0), lse.unbind(0), first)
             return
-        if sink[0] is not None:
+        if bank[0] is not None:
             found = _KeptRead.apply(read, *tensors)
             state.phase1 = (found[: len(queries)], found[len(queries) :], first)
             return
@@ -576,23 +516,36 @@ class DepthRouter(Module):
         )
         state.phase1 = (out, lse.unbind(0), first)
 
-    @staticmethod
-    def _sink(state: DepthState, n: int, tensors) -> tuple[_Sink | None, int]:
-        """``(sink, fresh)`` for a read of the state's first ``n`` sources (:class:`_Sink`):
-        the state's sink, and how many of them earlier reads took, when the read records a
-        graph of local tensors, eagerly (dispatch modes included: the memory tracker sees the
-        sums training makes); else ``(None, 0)`` and autograd sums the sources' gradients:
-        under tensor parallel (DTensor), a function mode (the SPMD type checker) or a trace."""
+    def _bank(self, state: DepthState, values, keys, queries) -> tuple:
+        """``(bank, fresh)`` for a read of the state's ``values`` (``keys``) so far: the state's
+        ``custom_ops.SourceBank`` holding them, and how many of them earlier reads took, when
+        the read records a graph of local tensors, eagerly (dispatch modes included: the memory
+        tracker sees the sums training makes); else ``(None, 0)`` and autograd sums the sources'
+        gradients: under tensor parallel (DTensor), a function mode (the SPMD type checker) or a
+        trace.
+
+        Why the read may hand on a source's whole sum (``fresh`` on): a source's first read in
+        the forward runs its backward after every later read's, since each later read depends
+        on it through the sublayers its outputs feed and the source they make, whose gradient
+        that first read hands on. So the latest read (the first backward) writes every source's
+        sum, each earlier one adds into them, and a source's first read adds its share last and
+        hands the sum to autograd. In fp32 that is the sum autograd made, bit for bit (the same
+        terms in the same order; under Block, sublayer 1's gradient of the embedding, which it
+        reads itself, is added after the reads' sum, not before block 1's share); in bf16 one
+        rounding where autograd rounded once a read."""
         if not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None, 0
-        if torch._C._len_torch_function_stack() or any(isinstance(t, DTensor) for t in tensors):
+        if torch._C._len_torch_function_stack():
             return None, 0
-        if not any(t.requires_grad for t in tensors):
+        if isinstance(values[0], DTensor) or isinstance(queries[-1], DTensor):
             return None, 0
-        if state.sink is None:
-            state.sink = _Sink()
-        fresh, state.taken = state.taken, max(state.taken, n)
-        return state.sink, fresh
+        if not any(t.requires_grad for t in (*values, *(keys or ()), *queries)):
+            return None, 0
+        if state.bank is None:
+            state.bank = custom_ops.SourceBank(self.eps, self.backend)
+        state.bank.extend(values, keys)
+        fresh, state.taken = state.taken, max(state.taken, len(values))
+        return state.bank, fresh
 
     def _read_two_phase(self, state: DepthState, t: int) -> tuple[torch.Tensor, tuple | None]:
         """Site t's phase-1 read and what the sublayer reading it finishes it with: the cast to
@@ -618,8 +571,8 @@ class DepthRouter(Module):
         values, keys = self.sources(state)
         tensors = [*values, *(keys or []), self.query(t)]
         if state.partial is None and self.backend != "reference":  # a block end
-            sink = self._sink(state, len(values), tensors)
-            read = _SiteRead(len(values), self.projected, self.eps, self.backend, *sink)
+            bank = self._bank(state, values, keys, [tensors[-1]])
+            read = _SiteRead(len(values), self.projected, self.eps, self.backend, *bank)
         else:
             read = functools.partial(self._site_read, len(values))
         state.last_read = _RecomputedRead.apply(read, *tensors)

@@ -52,17 +52,32 @@ def test_fused_backend_matches_reference_in_bf16(build, variant):
         assert (a - b).norm() <= 0.02 * b.norm() + 1e-6, name  # measured <= 0.0075
 
 
-def test_phase1_runs_once_per_block(build, monkeypatch):
-    """Each completed source set is read once per block, not once per read site."""
+@pytest.mark.parametrize("grad", [True, False])
+def test_phase1_runs_once_per_block(build, monkeypatch, grad):
+    """Each completed source set is read once per block, not once per read site: by the
+    forward's ``SourceBank`` in training (on CPU in fp32 the fused kernels, not the ops), by
+    ``block_read`` without autograd."""
     import custom_ops
 
-    calls = []
-    orig = custom_ops.block_read
-    monkeypatch.setattr(custom_ops, "block_read", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    calls = {"bank": 0, "op": 0}
+    read, block_read = custom_ops.SourceBank.read, custom_ops.api.block_read
+
+    def bank_read(*a, **k):
+        calls["bank"] += 1
+        return read(*a, **k)
+
+    def op(*a, **k):
+        calls["op"] += 1
+        return block_read(*a, **k)
+
+    monkeypatch.setattr(custom_ops.SourceBank, "read", bank_read)
+    monkeypatch.setattr(custom_ops.api, "block_read", op)
+    monkeypatch.setattr(custom_ops, "block_read", op)
     model = build("deep_debug", variant="sliced", blocks=8, rank=16, depth_backend="compiled")
-    model(torch.randint(0, 4096, (1, 8)))
+    with torch.set_grad_enabled(grad):
+        model(torch.randint(0, 4096, (1, 8)))
     # completion points: site 0 and the 8 block ends (the last one for the final read only)
-    assert len(calls) == 9
+    assert calls == ({"bank": 9, "op": 0} if grad else {"bank": 0, "op": 9})
 
 
 def _compiled(model, backend: str):

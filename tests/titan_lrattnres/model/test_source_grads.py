@@ -1,23 +1,23 @@
-"""The completed sources' gradients, summed in fp32 in place (``depth._Sink``) instead of by
-autograd: in fp32 the very numbers autograd's sums give (the same terms in the same order; the
-embedding's under Block to one rounding), with and without activation checkpointing, for Full
-and Block, sliced and projected keys; no
-autograd addition per read and source; a retained graph's second backward adds the same again;
-and a read finding only some of its sources' sums held adds them to its own."""
+"""The completed sources' gradients, summed in fp32 in place (``custom_ops.SourceBank``)
+instead of by autograd: in fp32 the very numbers autograd's sums give (the same terms in the
+same order; the embedding's under Block to one rounding), with and without activation
+checkpointing, for Full and Block, sliced and projected keys; no autograd addition per read and
+source; a retained graph's second backward adds the same again; a read finding only some of its
+sources' sums held adds them to its own; and a forward without a backward frees its sources."""
 
 import pytest
 import torch
 
 import custom_ops
 from tests.titan_lrattnres.model.test_recompute_reads import _grads, _loss, _model, _tokens
-from titan_lrattnres.model.depth import DepthRouter, _BankRead, _Sink
+from titan_lrattnres.model.depth import DepthRouter, _BankRead
 
 CASES = [("attnres", None), ("sliced", 2), ("projected", 2), ("projected", None)]
 
 
 def _autograd_sums(monkeypatch):
-    """The router with no sink: autograd sums each source's gradients, as before the sink."""
-    monkeypatch.setattr(DepthRouter, "_sink", staticmethod(lambda state, n, tensors: (None, 0)))
+    """The router with no bank: autograd sums each source's gradients, as before the bank."""
+    monkeypatch.setattr(DepthRouter, "_bank", lambda self, state, values, keys, queries: (None, 0))
 
 
 def _step(variant, blocks, ac):
@@ -29,7 +29,7 @@ def _step(variant, blocks, ac):
 
 @pytest.mark.parametrize("ac", [None, "selective", "full"])
 @pytest.mark.parametrize("variant, blocks", CASES)
-def test_sink_gives_autograds_sums(monkeypatch, variant, blocks, ac):
+def test_bank_gives_autograds_sums(monkeypatch, variant, blocks, ac):
     loss, got = _step(variant, blocks, ac)
     with monkeypatch.context() as m:
         _autograd_sums(m)
@@ -56,16 +56,16 @@ def _adds(variant, blocks) -> int:
 
 def test_autograd_adds_no_source_gradients(monkeypatch):
     """Full at M = 8 sublayers: site j reads the embedding and j outputs, 44 source gradients
-    for 9 sources. Autograd adds 35 of them to others; with the sink, none (the fused CPU
+    for 9 sources. Autograd adds 35 of them to others; with the bank, none (the fused CPU
     kernels add in place)."""
-    with_sink = _adds("attnres", None)
+    with_bank = _adds("attnres", None)
     with monkeypatch.context() as m:
         _autograd_sums(m)
         without = _adds("attnres", None)
     m = 8
-    assert without - with_sink == sum(j + 1 for j in range(1, m + 1)) - (m + 1), (
+    assert without - with_bank == sum(j + 1 for j in range(1, m + 1)) - (m + 1), (
         without,
-        with_sink,
+        with_bank,
     )
 
 
@@ -80,7 +80,8 @@ def test_a_retained_graph_adds_the_same_again(variant, blocks):
         assert torch.equal(g, 2 * once[name]), name
 
 
-def test_a_read_finding_some_sums_held_adds_them():
+@pytest.mark.parametrize("per_site", [True, False])  # a list: the CPU tables; a tensor: the op
+def test_a_read_finding_some_sums_held_adds_them(per_site):
     """Sources 0 and 2 hold sums, 1 none (a read whose outputs reached no loss ran no
     backward): the read hands on source 1's and 2's gradients (its own, plus 2's sum) and keeps
     source 0's, its own added; in fp32 bit for bit."""
@@ -91,20 +92,23 @@ def test_a_read_finding_some_sums_held_adds_them():
     grad_out = torch.randn(out.shape, generator=g)
     fresh, _, fresh_q = custom_ops.block_read_backward(values, None, query, lse, grad_out, None)
     held = [torch.randn(v.shape, generator=g) for v in values]
-    sink = _Sink()
-    sink.values = [held[0].clone(), None, held[2].clone()]
-    read = _BankRead(3, 1, False, None, "auto", sink, fresh=1)
+    bank = custom_ops.SourceBank(None, "auto")
+    bank.extend(values)
+    bank.value_sums[:] = [held[0].clone(), None, held[2].clone()]
+    read = _BankRead(3, 1, False, None, "auto", bank, fresh=1)
+    grads = (list(grad_out.unbind(0)) if per_site else grad_out, None)
     with torch.no_grad():
-        got = read.backward([*values, query[0]], (None, lse), (grad_out, None))
+        got = read.backward([*values, query[0]], (None, lse), grads)
     assert got[0] is None
     assert torch.equal(got[1], fresh[1]) and torch.equal(got[2], held[2] + fresh[2])
     assert torch.equal(got[3], fresh_q[0])
-    assert torch.equal(sink.values[0], held[0] + fresh[0]) and sink.values[1:] == [None, None]
+    assert torch.equal(bank.value_sums[0], held[0] + fresh[0])
+    assert bank.value_sums[1:] == [None, None]
 
 
 def test_reads_under_a_mode_leave_the_sums_to_autograd():
     """Under a function mode (as the SPMD type checker's) the reads keep the ops' own autograd:
-    no sink, and the same gradients."""
+    no bank, and the same gradients."""
     from torch.overrides import TorchFunctionMode
 
     class Mode(TorchFunctionMode):
@@ -112,15 +116,15 @@ def test_reads_under_a_mode_leave_the_sums_to_autograd():
             return func(*args, **(kwargs or {}))
 
     calls = []
-    sink = DepthRouter._sink
+    bank = DepthRouter._bank
 
-    def spy(state, n, tensors):
-        found = sink(state, n, tensors)
+    def spy(self, *args):
+        found = bank(self, *args)
         calls.append(found[0] is not None)
         return found
 
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(DepthRouter, "_sink", staticmethod(spy))
+        m.setattr(DepthRouter, "_bank", spy)
         _, want = _step("sliced", 2, None)
         assert calls and all(calls)
         calls.clear()
@@ -129,3 +133,28 @@ def test_reads_under_a_mode_leave_the_sums_to_autograd():
         assert calls and not any(calls)
     for name, g in want.items():
         torch.testing.assert_close(got[name], g, rtol=2e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("ac", [None, "selective"])
+@pytest.mark.parametrize("variant, blocks", [("attnres", None), ("projected", 2)])
+def test_a_forward_without_backward_frees_its_sources(variant, blocks, ac):
+    """The bank the reads share holds no path back into the graph that holds it (a reference
+    cycle through autograd's nodes, which no collector frees): once the loss is dropped, so are
+    the sources, backward or not."""
+    import gc
+    import weakref
+
+    model, refs = _model(variant, blocks, ac), []
+    step = model.router.step
+
+    def spy(state, j, out):
+        found = step(state, j, out)
+        refs.extend(weakref.ref(v) for v in state.values[len(refs) :])
+        return found
+
+    model.router.step = spy
+    loss = _loss(model, _tokens())
+    assert refs and all(r() is not None for r in refs)
+    del loss
+    gc.collect()
+    assert all(r() is None for r in refs), sum(r() is not None for r in refs)
