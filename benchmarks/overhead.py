@@ -11,7 +11,9 @@ initialised from one seed. A round times one forward + backward (+ AdamW step wi
 ``--optimizer``) of every variant, in an order that rotates from round to round; the overhead of
 a variant is its time over the baseline's WITHIN the round, and the report gives the median over
 rounds with the range. Rounds cancel slow drifts of a shared machine (frequency, other load) that
-a ratio of separate medians would not. Checked before timing: every variant's loss is finite.
+a ratio of separate medians would not. A round runs with Python's cyclic garbage collector off
+(a collection between rounds), as torchtitan's Trainer runs its steps. Checked before timing:
+every variant's loss is finite.
 
 How sure a run is: each median comes with a 95 % bootstrap interval (rounds resampled with
 replacement) and the number of rounds at which that interval would narrow to +-2 points. Once
@@ -28,6 +30,7 @@ otherwise run; every table then gives each variant's ratio to it too.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import random
@@ -43,6 +46,7 @@ import torch.nn.functional as F
 
 from benchmarks.meta import environment, write
 from benchmarks.ops import _sync
+from titan_lrattnres.evaluation.generate import gc_paused
 from titan_lrattnres.evaluation.memory import AC_MODES  # noqa: F401  (benchmarks.overhead.AC_MODES)
 
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
@@ -365,8 +369,13 @@ def measure(
     order = list(variants)
     for r in range(rounds):
         k = r % len(order)
-        for name in order[k:] + order[:k]:
-            times[name].append(_timed(steps[name], device))
+        # Python's cyclic collector off while a round runs, as torchtitan's Trainer trains
+        # (``GarbageCollection``: off, a collection every ``gc_freq`` steps): a collection set off
+        # by whichever step allocates at the time would land on that variant's time
+        gc.collect()
+        with gc_paused():
+            for name in order[k:] + order[:k]:
+                times[name].append(_timed(steps[name], device))
         probe_s.append(_timed(probe, device))
         base = times["baseline"][-1]
         progress(
@@ -532,7 +541,7 @@ def main(argv=None) -> int:
         print(profile_table(rows, "torchtitan" if "torchtitan" in rows else "baseline"))
     if a.json:
         meta = dict(vars(a), hidden=shape.hidden_dim, **environment(a.device),
-                    freed_memory_kept=kept)  # fmt: skip
+                    freed_memory_kept=kept, rounds_collector="off")  # fmt: skip
         write(a.json, {"config": meta, "result": result})
     return 0
 

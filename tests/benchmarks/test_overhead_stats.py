@@ -83,3 +83,18 @@ def test_flex_attention_steps_get_the_causal_block_mask():
         with torch.no_grad():  # FlexAttention has no backward on CPU
             logits[attn] = model(tokens, **kwargs)
     torch.testing.assert_close(logits["flex"], logits["sdpa"], rtol=1e-4, atol=1e-4)
+
+
+def test_rounds_run_with_the_collector_off_as_the_trainer_runs(monkeypatch):
+    """Each timed step runs with Python's cyclic collector off (torchtitan's Trainer turns it
+    off and collects every ``gc_freq`` steps); it is back on after the run."""
+    import gc
+
+    seen, timed = [], overhead._timed
+    monkeypatch.setattr(overhead, "_timed", lambda step, dev: seen.append(gc.isenabled()) or
+                        timed(step, dev))  # fmt: skip
+    shape = overhead.Shape(1, 16, 4, heads=2, vocab=64)
+    overhead.measure(shape, variants=("baseline", "sliced2_r8"), rounds=2, compile_=False,
+                     progress=lambda _: None)  # fmt: skip
+    # per round: the two steps, then the fixed workload with the collector back on
+    assert seen == [False, False, True] * 2 and gc.isenabled()
