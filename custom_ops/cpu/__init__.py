@@ -208,16 +208,18 @@ def _sources(values, keys) -> tuple:
     return (vp, vs, vp, vs) if keys is None else (vp, vs, *_row_table(keys))
 
 
-def read_fwd(values, keys, queries, eps: float):
-    """``composite.read_fwd`` fused, or None when not applicable."""
-    if not _usable(*values, *(keys or ()), queries) or (lib := library()) is None:
+def read_fwd(values, keys, queries, eps: float, sources=None):
+    """``composite.read_fwd`` fused, or None when not applicable. ``sources``: the kernel's
+    ``(vp, vs, kp, ks)`` for these values and keys, checked before (``SourceTables``)."""
+    usable = _usable(queries) if sources else _usable(*values, *(keys or ()), queries)
+    if not usable or (lib := library()) is None:
         return None
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
     out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
-    vp, vs, kp, ks = _sources(values, keys)
+    vp, vs, kp, ks = sources or _sources(values, keys)
     call(lib, "read_fwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), out=out, lse=lse,
          threads=_threads(n))  # fmt: skip
@@ -236,15 +238,19 @@ def _per_query_rows(grad_out, nc: int, n: int, d: int):
 
 
 def read_bwd(
-    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False
-):
+    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False,
+    sources=None,
+):  # fmt: skip
     """``composite.read_bwd`` fused, or None when not applicable. ``grad_out``: ``[C, ..., d]``
     or a sequence of C per-query gradients ``[..., d]`` (None entries: zero), each read where it
     lies (``api.block_read(split=True)``'s backward: no stacked copy). ``out``: ``(value grads,
-    key grads or None)``, fp32 buffers the gradients are written into (added to what they hold
-    when ``accumulate``) and returned as; the call checks each before its address is taken."""
+    key grads or None)``, fp32 buffers (or their ``calls.Table``s) the gradients are written
+    into (added to what they hold when ``accumulate``) and returned as; the call checks each
+    before its address is taken. ``sources``: as for :func:`read_fwd`."""
     per_query = grad_out if isinstance(grad_out, (list, tuple)) else (grad_out,)
-    tensors = (*values, *(keys or ()), queries, lse, *per_query, grad_lse)
+    tensors = (queries, lse, *per_query, grad_lse)
+    if not sources:
+        tensors += (*values, *(keys or ()))
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
@@ -257,7 +263,7 @@ def read_bwd(
     else:
         gv, gk = out
     dq = _empty((nc, rank))
-    vp, vs, kp, ks = _sources(values, keys)
+    vp, vs, kp, ks = sources or _sources(values, keys)
     call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), lse=_flat(lse),
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
@@ -318,43 +324,20 @@ class SourceTables:
         return vp, vp.strides, kp, kp.strides
 
     def read_fwd(self, values: list, keys: list | None, queries: torch.Tensor, eps: float):
-        """``read_fwd`` of the bank's sources ``values`` (``keys``), each of which passed
-        :meth:`fits`: ``(out [c, ..., d], lse [c, ...])``; None when the kernels cannot take
-        ``queries`` ``[c, r]`` (not fp32 CPU) or are not loaded."""
-        if not _usable(queries) or (lib := library()) is None:
-            return None
-        q = _flat(queries)
-        nc, rank = q.shape
-        lead, d = self.shape[:-1], self.shape[-1]
-        rows = values[0].numel() // d
-        out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
-        vp, vs, kp, ks = self._sources(values, keys)
-        call(lib, "read_fwd", S=len(values), C=nc, n=rows, d=d, r=rank,
-             sliced=int(keys is None), vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), out=out,
-             lse=lse, threads=_threads(rows))  # fmt: skip
-        return out, lse
+        """:func:`read_fwd` of the bank's sources ``values`` (``keys``), each of which passed
+        :meth:`fits`."""
+        return read_fwd(values, keys, queries, eps, self._sources(values, keys))
 
     def read_bwd(self, values, keys, queries, lse, grad_out, grad_lse, eps, sums, key_sums, add):
-        """``read_bwd`` of the bank's sources into its fp32 ``sums`` (``key_sums``: projected),
-        written or added to (``add``); ``grad_out``: ``[c, ..., d]``, the c sites' gradients
-        (None entries: zero) or None. Returns the queries' gradient ``[c, r]`` fp32, or None when
-        the kernels cannot take the call's tensors (the bank then calls the op)."""
-        per_query = (grad_out,) if isinstance(grad_out, torch.Tensor) else grad_out or ()
-        if not _usable(queries, lse, grad_lse, *per_query) or (lib := library()) is None:
-            return None
-        q = _flat(queries)
-        nc, rank = q.shape
-        d = self.shape[-1]
-        rows = values[0].numel() // d
-        vp, vs, kp, ks = self._sources(values, keys)
-        gv = self.sums(sums, d)
-        gk = gv if key_sums is None else self.sums(key_sums, rank)
-        dq = _empty((nc, rank))
-        call(lib, "read_bwd", S=len(values), C=nc, n=rows, d=d, r=rank,
-             sliced=int(keys is None), vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps),
-             lse=_flat(lse), dout=_per_query_rows(grad_out, nc, rows, d), dlse=_flat(grad_lse),
-             gv=gv, gk=gk, acc=int(add), dq=dq, threads=_threads(rows))  # fmt: skip
-        return dq
+        """:func:`read_bwd` of the bank's sources into its fp32 ``sums`` (``key_sums``:
+        projected), written or added to (``add``). Returns the queries' gradient ``[c, r]``
+        fp32, or None when the kernels cannot take the call's tensors (the bank then calls the
+        op)."""
+        out = (self.sums(sums, self.shape[-1]),
+               None if key_sums is None else self.sums(key_sums, self.key_shape[-1]))  # fmt: skip
+        sources = self._sources(values, keys)
+        found = read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, out, add, sources)
+        return None if found is None else found[2]
 
 
 def _merge_inputs(out1, partial_value, partial_key, rank) -> tuple:
