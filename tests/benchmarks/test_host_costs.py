@@ -5,6 +5,7 @@ one forward split between the router and the sublayer calls; the table shows eac
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -26,12 +27,13 @@ def test_every_form_is_timed(result):
     # 4 sublayers, ends at 2 and 4: site 0 plain, sublayer 3 reads a block end, 2 and 4 merge
     assert set(routed["sublayers"]) == {"attention plain", "attention cast", "mlp merge"}
     assert set(routed["phase1"]) == {1, 2}  # 1 source (e), 2 (e and the first block)
+    # times only, never compared across calls: a shared machine may slow any one of them
     for row in (base, routed):
         for t in (*row["sublayers"].values(), *row.get("phase1", {}).values()):
-            assert 0 < t["forward"] < t["forward_backward"]
-        f = row["forward_ms"]
-        assert f["forward"] >= f["router"] + f["sublayers"] > 0
-    assert routed["forward_ms"]["router"] > base["forward_ms"]["router"]
+            assert set(t) == {"forward", "forward_backward"}
+            assert all(0 < v < math.inf for v in t.values())
+        f = row["forward_ms"]  # one forward's own parts: nested timers, so they fit inside it
+        assert f["forward"] >= f["router"] + f["sublayers"] > 0 and f["router"] > 0
 
 
 def test_table_and_json(result, tmp_path, monkeypatch):
