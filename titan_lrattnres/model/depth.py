@@ -152,25 +152,42 @@ class _BankRead:
     read is rebuilt and no nested backward pass runs, once per block. With a ``bank``
     (``custom_ops.SourceBank``, holding the same sources first) the read is the bank's: the
     sources' gradients are summed there, and the read gives autograd those of the sources from
-    ``fresh`` on, which no earlier read of the forward took."""
+    ``fresh`` on, which no earlier read of the forward took. ``held``: the first sources (and
+    keys), which the read holds itself instead of taking them in (:meth:`kept`)."""
 
-    __slots__ = ("n", "c", "projected", "eps", "backend", "bank", "fresh")
+    __slots__ = ("n", "c", "projected", "eps", "backend", "bank", "fresh", "held")
 
     def __init__(
         self, n: int, c: int, projected: bool, eps: float | None, backend: str,
-        bank: custom_ops.SourceBank | None = None, fresh: int = 0,
+        bank: custom_ops.SourceBank | None = None, fresh: int = 0, held: tuple = ((), None),
     ):  # fmt: skip
         self.n, self.c, self.projected, self.eps, self.backend = n, c, projected, eps, backend
-        self.bank, self.fresh = bank, fresh
+        self.bank, self.fresh, self.held = bank, fresh, held
+
+    @classmethod
+    def kept(cls, values, keys, queries, eps, backend, bank, fresh) -> tuple:
+        """``(read, inputs)`` of a bank's read for :class:`_KeptRead`: the inputs are the sources
+        from the first one it hands on (``fresh``; the last one at least), their keys and the
+        queries. The earlier sources' gradients stay in the bank, so autograd needs no edge to
+        them (Full at L=24: 2 inputs a read, not up to 49); the last source's edge orders the
+        read's backward before those of the reads that hand the earlier ones on."""
+        lo = min(fresh, len(values) - 1)
+        held = (values[:lo], None if keys is None else keys[:lo])
+        read = cls(len(values), len(queries), keys is not None, eps, backend, bank, fresh, held)
+        return read, [*values[lo:], *(keys[lo:] if keys is not None else ()), *queries]
 
     def _split(self, tensors):
-        values, queries = list(tensors[: self.n]), torch.stack(tensors[-self.c :])
-        keys = list(tensors[self.n : -self.c]) if self.projected else None
-        return values, keys, queries
+        values, keys = self._sources(tensors)
+        return list(values), None if keys is None else list(keys), torch.stack(tensors[-self.c :])
 
     def _sources(self, tensors) -> tuple:
-        n = self.n
-        return tensors[:n], tensors[n : 2 * n] if self.projected else None
+        """All n sources (and keys): those held, then those among ``tensors``."""
+        held, held_keys = self.held
+        m = self.n - len(held)
+        values = (*held, *tensors[:m]) if held else tensors[:m]
+        if not self.projected:
+            return values, None
+        return values, (*held_keys, *tensors[m : 2 * m]) if held else tensors[m : 2 * m]
 
     def __call__(self, *tensors: torch.Tensor):
         if self.bank is not None:
@@ -192,7 +209,11 @@ class _BankRead:
             gv, gk, gq = custom_ops.block_read_backward(
                 values, keys, queries, outputs[1], *grads, self.eps, backend=self.backend
             )
-        return *gv, *(gk or ()), *(gq.unbind(0) if gq is not None else (None,) * self.c)
+        lo = len(self.held[0])
+        return (
+            *gv[lo:], *(gk[lo:] if gk is not None else ()),
+            *(gq.unbind(0) if gq is not None else (None,) * self.c),
+        )  # fmt: skip
 
 
 class _KeptRead(torch.autograd.Function):
@@ -498,14 +519,16 @@ class DepthRouter(Module):
         queries = [self.query(site) for site in range(first, nxt)]
         tensors = [*values, *(keys or []), *queries]
         bank = self._bank(state, values, keys, queries)
-        read = _BankRead(len(values), len(queries), self.projected, self.eps, self.backend, *bank)
         if self.recompute_reads:  # it keeps the query parameters themselves, not their stack
+            n, c = len(values), len(queries)
+            read = _BankRead(n, c, self.projected, self.eps, self.backend, *bank)
             out, lse = _RecomputedRead.apply(read, *tensors)
             state.recomputed = [(out, 0), (lse, 1)]
             state.phase1 = (out.unbind(0), lse.unbind(0), first)
             return
         if bank[0] is not None:
-            found = _KeptRead.apply(read, *tensors)
+            read, inputs = _BankRead.kept(values, keys, queries, self.eps, self.backend, *bank)
+            found = _KeptRead.apply(read, *inputs)
             state.phase1 = (found[: len(queries)], found[len(queries) :], first)
             return
         queries = torch.stack(queries)
