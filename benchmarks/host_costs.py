@@ -111,8 +111,9 @@ def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
         queries = [torch.randn(router.rank, requires_grad=True) for _ in range(c)]
         bank = custom_ops.SourceBank(router.eps, router.backend)
         bank.extend(values, keys)
-        eps, backend = router.eps, router.backend
-        read, inputs = _BankRead.kept(values, keys, queries, eps, backend, bank, s - 1)
+        held, inputs = _BankRead.taken(values, keys, s - 1)
+        read = _BankRead(s, c, router.projected, router.eps, router.backend, bank, s - 1, held)
+        inputs += queries
 
         def forward(read=read, inputs=inputs):
             return _KeptRead.apply(read, *inputs)

@@ -153,7 +153,7 @@ class _BankRead:
     (``custom_ops.SourceBank``, holding the same sources first) the read is the bank's: the
     sources' gradients are summed there, and the read gives autograd those of the sources from
     ``fresh`` on, which no earlier read of the forward took. ``held``: the first sources (and
-    keys), which the read holds itself instead of taking them in (:meth:`kept`)."""
+    keys), which the read holds itself instead of taking them in (:meth:`taken`)."""
 
     __slots__ = ("n", "c", "projected", "eps", "backend", "bank", "fresh", "held")
 
@@ -164,17 +164,16 @@ class _BankRead:
         self.n, self.c, self.projected, self.eps, self.backend = n, c, projected, eps, backend
         self.bank, self.fresh, self.held = bank, fresh, held
 
-    @classmethod
-    def kept(cls, values, keys, queries, eps, backend, bank, fresh) -> tuple:
-        """``(read, inputs)`` of a bank's read for :class:`_KeptRead`: the inputs are the sources
-        from the first one it hands on (``fresh``; the last one at least), their keys and the
-        queries. The earlier sources' gradients stay in the bank, so autograd needs no edge to
-        them (Full at L=24: 2 inputs a read, not up to 49); the last source's edge orders the
-        read's backward before those of the reads that hand the earlier ones on."""
+    @staticmethod
+    def taken(values, keys, fresh: int) -> tuple[tuple, list]:
+        """``(held, inputs)`` of a bank's read: it takes in the sources from the first it hands
+        on (``fresh``; the last one at least) and their keys, and holds the others itself. Their
+        gradients stay in the bank, so autograd needs no edge to them (Full at L=24: one source
+        a read, not up to 48); the last source's edge orders the read's backward before those of
+        the reads that hand the earlier ones on. Without a bank (``fresh`` 0) it takes them all."""
         lo = min(fresh, len(values) - 1)
         held = (values[:lo], None if keys is None else keys[:lo])
-        read = cls(len(values), len(queries), keys is not None, eps, backend, bank, fresh, held)
-        return read, [*values[lo:], *(keys[lo:] if keys is not None else ()), *queries]
+        return held, [*values[lo:], *(keys[lo:] if keys is not None else ())]
 
     def _split(self, tensors):
         values, keys = self._sources(tensors)
@@ -250,9 +249,9 @@ class _SiteRead(_BankRead):
 
     def __init__(
         self, n: int, projected: bool, eps: float | None, backend: str,
-        bank: custom_ops.SourceBank | None = None, fresh: int = 0,
+        bank: custom_ops.SourceBank | None = None, fresh: int = 0, held: tuple = ((), None),
     ):  # fmt: skip
-        super().__init__(n, 1, projected, eps, backend, bank, fresh)
+        super().__init__(n, 1, projected, eps, backend, bank, fresh, held)
         self.lse = None
 
     def __call__(self, *tensors: torch.Tensor):
@@ -517,17 +516,18 @@ class DepthRouter(Module):
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys] if self.projected else None
         queries = [self.query(site) for site in range(first, nxt)]
-        tensors = [*values, *(keys or []), *queries]
         bank = self._bank(state, values, keys, queries)
-        if self.recompute_reads:  # it keeps the query parameters themselves, not their stack
+        if bank[0] is not None or self.recompute_reads:  # the query parameters go in, not a stack
+            held, inputs = _BankRead.taken(values, keys, bank[1])
             n, c = len(values), len(queries)
-            read = _BankRead(n, c, self.projected, self.eps, self.backend, *bank)
-            out, lse = _RecomputedRead.apply(read, *tensors)
+            read = _BankRead(n, c, self.projected, self.eps, self.backend, *bank, held)
+            inputs += queries
+        if self.recompute_reads:
+            out, lse = _RecomputedRead.apply(read, *inputs)
             state.recomputed = [(out, 0), (lse, 1)]
             state.phase1 = (out.unbind(0), lse.unbind(0), first)
             return
         if bank[0] is not None:
-            read, inputs = _BankRead.kept(values, keys, queries, self.eps, self.backend, *bank)
             found = _KeptRead.apply(read, *inputs)
             state.phase1 = (found[: len(queries)], found[len(queries) :], first)
             return
@@ -595,7 +595,8 @@ class DepthRouter(Module):
         tensors = [*values, *(keys or []), self.query(t)]
         if state.partial is None and self.backend != "reference":  # a block end
             bank = self._bank(state, values, keys, [tensors[-1]])
-            read = _SiteRead(len(values), self.projected, self.eps, self.backend, *bank)
+            held, tensors[:-1] = _BankRead.taken(values, keys, bank[1])
+            read = _SiteRead(len(values), self.projected, self.eps, self.backend, *bank, held)
         else:
             read = functools.partial(self._site_read, len(values))
         state.last_read = _RecomputedRead.apply(read, *tensors)
