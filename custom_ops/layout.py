@@ -1,8 +1,11 @@
-"""The row layout the fused kernels (C and Triton) read: torch only, shared by both."""
+"""What the fused kernels (C and Triton) read: the row layout and the plain tensor types; torch
+only, shared by both."""
 
 from __future__ import annotations
 
 import torch
+
+PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

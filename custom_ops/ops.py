@@ -48,6 +48,7 @@ import types
 import torch
 
 from custom_ops import composite, cpu
+from custom_ops.layout import PLAIN_TYPES
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
 
@@ -162,9 +163,6 @@ def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _empty(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     shape = x.shape if shape is None else shape
     return x.new_empty(shape, dtype=x.dtype if dtype is None else dtype)
-
-
-PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
 
 
 def plain(*tensors) -> bool:

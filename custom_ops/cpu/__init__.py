@@ -36,7 +36,7 @@ from custom_ops.cpu.calls import (
     call,
     check_signatures,
 )
-from custom_ops.layout import rows
+from custom_ops.layout import PLAIN_TYPES, rows
 from custom_ops.reference import DEFAULT_EPS
 
 # LRATTNRES_CPU_KERNELS=0 (or ENABLED = False): every call left to the composite
@@ -287,7 +287,7 @@ class SourceTables:
 
     @staticmethod
     def _plain(x, shape) -> bool:
-        return (x.__class__ in (torch.Tensor, torch.nn.Parameter) and x.dtype == _F32
+        return (x.__class__ in PLAIN_TYPES and x.dtype == _F32
                 and x.is_cpu and x.is_contiguous() and x.shape == shape)  # fmt: skip
 
     def fits(self, value: torch.Tensor, key: torch.Tensor | None) -> bool:

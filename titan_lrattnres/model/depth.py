@@ -60,7 +60,7 @@ from torchtitan.protocols.module import Module
 
 import custom_ops
 from custom_ops import reference
-from custom_ops.ops import PLAIN_TYPES
+from custom_ops.layout import PLAIN_TYPES
 from custom_ops.schedule import schedule_ends
 
 
