@@ -94,14 +94,19 @@ def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
     """``{sources: {"forward", "forward_backward"}}`` of the model's phase-1 read as its
     router runs it in a training step (``depth._KeptRead`` over the forward's
     ``custom_ops.SourceBank``: its variant, rank, one block's queries; ``seq`` tokens), in us per
-    call, at the model's first, middle and last source counts. Each read has one source no
-    earlier read took, whose gradient sum it hands on; the others' sums it adds to."""
+    call, at the model's first, middle and last source counts. Each read has the sources no
+    earlier read took (one; two for Full, read in pairs of sites), whose gradient sums it hands
+    on; the others' sums it adds to."""
     import custom_ops
     from titan_lrattnres.model.depth import _BankRead, _KeptRead
 
     router, d = model.router, model.config.dim
-    counts = sorted({1, 1 + len(router.ends) // 2, len(router.ends)})
-    c = router.num_sublayers // len(router.ends)
+    # a read at each block end, with one more source each; Full reads at every other site,
+    # for two sites, with two more sources each
+    step = 2 if router.pair_reads else 1
+    points = len(router.ends) // step
+    counts = sorted({1, 1 + step * (points // 2), 1 + step * (points - 1)})
+    c = router.num_sublayers // points
     out = {}
     for s in counts:
         values = [torch.randn(1, seq, d, requires_grad=True) for _ in range(s)]
@@ -111,8 +116,9 @@ def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
         queries = [torch.randn(router.rank, requires_grad=True) for _ in range(c)]
         bank = custom_ops.SourceBank(router.eps, router.backend)
         bank.extend(values, keys)
-        held, inputs = _BankRead.taken(values, keys, s - 1)
-        read = _BankRead(s, c, router.projected, router.eps, router.backend, bank, s - 1, held)
+        fresh = max(s - step, 0)
+        held, inputs = _BankRead.taken(values, keys, fresh)
+        read = _BankRead(s, c, router.projected, router.eps, router.backend, bank, fresh, held)
         inputs += queries
 
         def forward(read=read, inputs=inputs):

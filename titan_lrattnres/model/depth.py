@@ -23,7 +23,10 @@ Two read paths give the same numbers (tested):
 - fused (``compiled`` / ``triton`` / ``auto``): at each block end one batched phase-1 read of the
   completed sources for every site of the coming block (one op), then per site the exact LSE
   merge with the partial (phase 2), run by the sublayer that reads it (on plain tensors; under
-  tensor parallel or the SPMD type checker the merge op, between the sublayers).
+  tensor parallel or the SPMD type checker the merge op, between the sublayers). Full reads in
+  pairs of sites (``state.paired``): phase 1 at each even site for it and the next, which
+  merges its own sublayer's output in as the partial; that output then joins the completed
+  sources as itself, not summed with the next (docs/method.md §7).
 
 With activation checkpointing (``recompute_reads``, set by the model config) the reads are
 recomputed in the backward instead (:class:`_RecomputedRead`), keeping only their inputs -- the
@@ -31,9 +34,10 @@ completed sources and the partial, kept anyway as later reads' inputs --, and th
 reading them keep no copy of what they made (:meth:`DepthRouter.recompute_input`): a sublayer's
 backward rebuilds it from those inputs. Block source sets on the fused backends recompute per
 block: each block's phase-1 read once (the first of its sites' backwards rebuilds it for all of
-them), the merges inside the sublayers' checkpointed graphs. Full and the reference backend
-recompute per site: each site's whole read. A recomputed read of completed sources only (a
-block's phase 1; Full's sites) runs again without autograd and its backward is the op's
+them), the merges inside the sublayers' checkpointed graphs; Full, read in pairs, per pair. A
+pipeline stage's Full, tensor parallel and the reference backend recompute per site: each site's
+whole read. A recomputed read of completed sources only (a block's phase 1; a pipeline stage's
+Full sites) runs again without autograd and its backward is the op's
 (``custom_ops.block_read_backward``); one with a merge (reference backend, tensor parallel)
 rebuilds its autograd graph.
 
@@ -93,6 +97,7 @@ class DepthState:
     per_block: bool | None = None  # recompute_reads: per block (else per site); set on first use
     bank: custom_ops.SourceBank | None = None  # the sources as reads take them, their gradients
     taken: int = 0  # sources (from the embedding on) that a read with the bank has taken
+    paired: bool = False  # Full on the fused backends: phase 1 once per pair of sites
 
 
 class _RecomputedRead(torch.autograd.Function):
@@ -339,10 +344,11 @@ def _merge_in_sublayer(query: torch.Tensor) -> bool:
 
 def finish_read(h: torch.Tensor, read: tuple, eps: float | None) -> torch.Tensor:
     """``h`` (a phase-1 read) finished as ``read = (lse1, partial, partial_key, query, backend,
-    dtype)`` says: cast to ``dtype`` (no partial: a block end), or merged with the partial (key
-    eps ``eps``). Traced by torch.compile the merge is the reference's maths, which Inductor
-    fuses with the code around it; eager, the ``backend``'s merge op."""
-    lse1, partial, partial_key, query, backend, dtype = read
+    dtype, add)`` says: cast to ``dtype`` (no partial: a block end), or merged with the partial
+    (key eps ``eps``; ``add`` is for the sublayer's output, ``Sublayer.write``). Traced by
+    torch.compile the merge is the reference's maths, which Inductor fuses with the code around
+    it; eager, the ``backend``'s merge op."""
+    lse1, partial, partial_key, query, backend, dtype, _ = read
     if partial is None:
         return h.to(dtype)
     if torch.compiler.is_compiling():
@@ -388,6 +394,10 @@ class DepthRouter(Module):
                 q = nn.Parameter(torch.zeros(config.rank, dtype=torch.float32))
                 self.register_parameter(name, q)
         self.site_stop = m + 1  # one past this module's last read site (a pipeline stage's)
+        # Full on the fused backends reads phase 1 once per pair of sites (t even: sites t and
+        # t + 1), site t + 1 merging its own sublayer's output in (:meth:`step`); a pipeline
+        # stage reads per site (``titan_lrattnres.parallel.pipeline.attach``)
+        self.pair_reads = len(self.ends) == m
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None
         )
@@ -405,6 +415,7 @@ class DepthRouter(Module):
         if self.projected:
             key = reference.key_rmsnorm(self.embedding_key(embedding), self.eps)
         state = DepthState(embedding=embedding, embedding_key=key)
+        state.paired = self.pair_reads and self.backend != "reference"
         if self.backend != "reference":
             self._phase1(state, 0)
         return state
@@ -425,12 +436,13 @@ class DepthRouter(Module):
         """With ``recompute_reads``: whether this forward recomputes its reads per block (phase 1
         once per block, recomputed once in the backward; each merge inside the checkpointed graph
         of the sublayer reading it) rather than per site. Block source sets on the fused
-        backends, with the merges in the sublayers; Full reads per site, one source set each."""
+        backends, with the merges in the sublayers, and Full read in pairs (``state.paired``);
+        a pipeline stage's Full reads per site, one source set each."""
         if state.per_block is None:
             queries = self.query_params()
             state.per_block = (
                 self.backend != "reference"
-                and len(self.ends) < self.num_sublayers
+                and (len(self.ends) < self.num_sublayers or state.paired)
                 and bool(queries)
                 and _merge_in_sublayer(queries[0])
             )
@@ -444,14 +456,24 @@ class DepthRouter(Module):
             state.running = out  # the sublayer added its input
             return out, None
         o, k = out if self.projected else (out, None)
-        if state.handed_partial or state.partial is None:  # out is the new partial already
+        if state.paired:  # Full, phase 1 per pair: an odd site merges its sublayer's output in
+            if state.partial is not None:  # the last site's output: a source from now on
+                state.values.append(state.partial)
+                state.keys.append(state.partial_key)
+                state.partial, state.partial_key = None, None
+            if j % 2:
+                state.partial, state.partial_key = o, k
+            else:
+                state.values.append(o)
+                state.keys.append(k)
+        elif state.handed_partial or state.partial is None:  # out is the new partial already
             state.partial, state.partial_key = o, k
         else:  # block key = sum of emission-normalised member keys
             state.partial = state.partial + o
             if k is not None:
                 state.partial_key = state.partial_key + k
         state.handed_partial = False
-        if j in self._end_set:
+        if j in self._end_set and not state.paired:
             state.values.append(state.partial)
             state.keys.append(state.partial_key)
             state.partial, state.partial_key = None, None
@@ -508,7 +530,10 @@ class DepthRouter(Module):
         ``first`` = t, site 0 excluded), up to this module's last site; none when
         ``recompute_reads`` reads per site. Recomputed reads: through :class:`_RecomputedRead`
         (the sublayers reading its views keep its node, :meth:`recompute_input`)."""
-        nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
+        if state.paired:  # the next even site
+            nxt = min(t + 2 - t % 2, self.num_sublayers + 1, self.site_stop)
+        else:
+            nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
         first = max(t, 1) if first is None else first
         state.phase1 = state.recomputed = None
         if nxt <= first or (self.recompute_reads and not self._per_block(state)):
@@ -577,12 +602,12 @@ class DepthRouter(Module):
         dtype, partial = state.embedding.dtype, state.partial
         if partial is None:  # t is a block end
             self._phase1(state, t)
-            read = (None, None, None, None, self.backend, dtype)
+            read = (None, None, None, None, self.backend, dtype, False)
         out, lse, first = state.phase1
         i, query = t - first, self.query(t)
         if partial is not None:
             partial_key = state.partial_key if self.projected else None
-            read = (lse[i], partial, partial_key, query, self.backend, dtype)
+            read = (lse[i], partial, partial_key, query, self.backend, dtype, not state.paired)
         if not _merge_in_sublayer(query):
             return self.finish(out[i], read), None
         state.handed_partial = partial is not None

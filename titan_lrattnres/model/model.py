@@ -42,12 +42,14 @@ class Sublayer(Module):
     sublayer's compiled graph (docs/performance.md):
 
     - ``read`` None: ``h`` is ``h_{j-1}``. Else ``h`` is site j-1's phase-1 read ``out1`` (fp32)
-      and ``read = (lse1, partial, partial_key, query, backend, dtype)`` what finishes it
-      (:meth:`read_input`): its phase-2 merge with the running partial, or (partial None: a
-      block end) the cast to the activations' ``dtype``. h_{j-1} is made here, where the
-      compiler fuses it with the norm, and a checkpoint keeps the phase-1 read, not h.
+      and ``read = (lse1, partial, partial_key, query, backend, dtype, add)`` what finishes
+      it (:meth:`read_input`): its phase-2 merge with the partial, or (partial None: a block
+      end) the cast to the activations' ``dtype``. h_{j-1} is made here, where the compiler
+      fuses it with the norm, and a checkpoint keeps the phase-1 read, not h.
     - returns ``h_{j-1} + o_j`` for the plain residual (``residual``); ``partial + o_j`` (and
-      ``partial_key + k_j``) when ``read`` brought the running partial; else ``o_j`` (and k_j).
+      ``partial_key + k_j``) when ``read`` says to ``add`` (Block: the running partial); else
+      ``o_j`` (and k_j; Full's pairs merge sublayer j-1's output in as the partial, but o_j
+      is a source of its own).
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -104,7 +106,7 @@ class Sublayer(Module):
         if self.key_rank:
             y, k = y.split([self.dim, self.key_rank], dim=-1)
             k = key_rmsnorm(k, self.key_eps)
-        if read is not None and read[1] is not None:
+        if read is not None and read[6]:
             y, k = read[1] + y, None if k is None else read[2] + k
         else:
             y = y.contiguous()

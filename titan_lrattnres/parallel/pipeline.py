@@ -196,6 +196,7 @@ def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:
     if plan.recv is not None:
         router.embedding_key = None
     router.site_stop = plan.last + 1
+    router.pair_reads = False  # a stage reads Full per site: its cut carries no pending source
     model.__class__ = LRAttnResStage
     model.plan, model.cache = plan, cache
 
