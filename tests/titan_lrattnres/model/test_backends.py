@@ -95,7 +95,7 @@ def _compiled(model, backend: str):
 @pytest.mark.parametrize(
     "variant,blocks,compiler",
     [("sliced", 4, "aot_eager"), ("projected", 3, "aot_eager"), ("attnres", 8, "aot_eager"),
-     ("sliced", 4, "inductor")],
+     ("sliced", 4, "inductor"), ("sliced", None, "aot_eager")],
 )  # fmt: skip
 def test_merges_inside_compiled_sublayers_match_reference(build, variant, blocks, compiler):
     """The compiled path: each merge traced as the reference's maths inside the sublayer that
@@ -119,6 +119,11 @@ def test_merges_inside_compiled_sublayers_match_reference(build, variant, blocks
     finally:
         torch._dynamo.reset()
     # every site is finished by the sublayer reading it (the last by the router): a merge with
-    # the partial inside a block, a cast at a block end
+    # the partial inside a block, a cast at a block end; Full, read in pairs of sites, merges
+    # at every odd site (its own sublayer's output) and casts at the even ones
     ends = set(fused.router.ends)
-    assert reads == [t not in ends for t in range(1, 49)]
+    if blocks is None:
+        assert fused.router.pair_reads
+        assert reads == [t % 2 == 1 for t in range(1, 49)]
+    else:
+        assert reads == [t not in ends for t in range(1, 49)]
