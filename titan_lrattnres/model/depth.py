@@ -456,32 +456,31 @@ class DepthRouter(Module):
             state.running = out  # the sublayer added its input
             return out, None
         o, k = out if self.projected else (out, None)
-        if state.paired:  # Full, phase 1 per pair: an odd site merges its sublayer's output in
-            if state.partial is not None:  # the last site's output: a source from now on
-                state.values.append(state.partial)
-                state.keys.append(state.partial_key)
-                state.partial, state.partial_key = None, None
-            if j % 2:
-                state.partial, state.partial_key = o, k
-            else:
-                state.values.append(o)
-                state.keys.append(k)
-        elif state.handed_partial or state.partial is None:  # out is the new partial already
+        # Full read in pairs: an odd site's output is the partial its own read merges in, then
+        # a source of its own (not summed with the next); the even sites are ends as in Block
+        if state.paired and state.partial is not None:
+            self._complete(state)
+        if state.paired or state.handed_partial or state.partial is None:  # out is the partial
             state.partial, state.partial_key = o, k
         else:  # block key = sum of emission-normalised member keys
             state.partial = state.partial + o
             if k is not None:
                 state.partial_key = state.partial_key + k
         state.handed_partial = False
-        if j in self._end_set and not state.paired:
-            state.values.append(state.partial)
-            state.keys.append(state.partial_key)
-            state.partial, state.partial_key = None, None
+        if j in self._end_set and not (state.paired and j % 2):
+            self._complete(state)
         if self.recompute_reads and not self._per_block(state):
             return self._recomputed_read(state, j), None
         if self.backend == "reference":
             return self._read_normalised_once(state, j), None
         return self._read_two_phase(state, j)
+
+    @staticmethod
+    def _complete(state: DepthState) -> None:
+        """The partial (and its key) joins the completed sources."""
+        state.values.append(state.partial)
+        state.keys.append(state.partial_key)
+        state.partial, state.partial_key = None, None
 
     def finish(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
         """``h`` of a :meth:`step` result that no sublayer consumes (the final read, a pipeline
