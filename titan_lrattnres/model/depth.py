@@ -30,11 +30,11 @@ Two read paths give the same numbers (tested):
 
 With activation checkpointing (``recompute_reads``, set by the model config) the reads are
 recomputed in the backward instead (:class:`_RecomputedRead`), keeping only their inputs -- the
-completed sources and the partial, kept anyway as later reads' inputs --, and the sublayers
-reading them keep no copy of what they made (:meth:`DepthRouter.recompute_input`): a sublayer's
-backward rebuilds it from those inputs. Block source sets on the fused backends recompute per
-block: each block's phase-1 read once (the first of its sites' backwards rebuilds it for all of
-them), the merges inside the sublayers' checkpointed graphs; Full, read in pairs, per pair. A
+completed sources and the partial, kept anyway as later reads' inputs --, and what they made
+keeps no memory once the sublayers reading it ran (:class:`_GivenBack`): the backward of the
+last of them fills it again from those inputs. Block source sets on the fused backends
+recompute per block: each block's phase-1 read once (for all its sites), the merges inside the
+sublayers' checkpointed graphs; Full, read in pairs, per pair. A
 pipeline stage's Full, tensor parallel and the reference backend recompute per site: each site's
 whole read. A recomputed read of completed sources only (a block's phase 1; a pipeline stage's
 Full sites) runs again without autograd and its backward is the op's
@@ -49,22 +49,17 @@ hands the sum to autograd, which so sums no gradient per read and source (Full: 
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.distributed.tensor import DTensor
-from torch.multiprocessing.reductions import StorageWeakRef
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
 import custom_ops
 from custom_ops import reference
-from custom_ops.layout import PLAIN_TYPES
 from custom_ops.schedule import schedule_ends
 
 
@@ -92,8 +87,9 @@ class DepthState:
     normed: list[torch.Tensor] = field(default_factory=list)  # reference: RMSNorm'd keys, in order
     running: torch.Tensor | None = None  # baseline residual stream
     handed_partial: bool = False  # the last read handed to a sublayer brought the partial
-    last_read: torch.Tensor | None = None  # recompute_reads: the last h, made by _RecomputedRead
-    recomputed: list | None = None  # recompute_reads per block: phase 1's (out, lse), recomputed
+    # recompute_reads: the outputs of the last read made by _RecomputedRead (h; a block's phase-1
+    # (out, lse)), while the sublayers reading them run
+    recomputed: _GivenBack | None = None
     per_block: bool | None = None  # recompute_reads: per block (else per site); set on first use
     bank: custom_ops.SourceBank | None = None  # the sources as reads take them, their gradients
     taken: int = 0  # sources (from the embedding on) that a read with the bank has taken
@@ -269,68 +265,61 @@ class _SiteRead(_BankRead):
         return super().backward(tensors, (None, lse), (grad, None))
 
 
-class _Rebuild:
-    """What a sublayer saves in place of a tensor a recomputed read made: the read's node, which
-    of its outputs, and the layout of the view saved."""
-
-    __slots__ = ("node", "index", "layout")
-
-    def __init__(self, node, index: int | None, layout: tuple):
-        self.node, self.index, self.layout = node, index, layout
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a DTensor's local shard (on its storage)."""
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
 
 
-def _layout(t: torch.Tensor) -> tuple:
-    return t.shape, t.stride(), t.storage_offset()
+class _GivenBack:
+    """The outputs of a :class:`_RecomputedRead` (h; a block's phase-1 ``(out, lse)``) from
+    the forward of the sublayers reading them to their backwards.
 
+    Once they all ran, :meth:`give_back` frees the outputs' storages: the tensors, and every
+    view of them those sublayers saved (a checkpoint's input, a first op's, FSDP2's aliases of
+    a module's inputs), stay, without memory. The backward of the ``last`` of them (its output's
+    node; this object is the node's pre-hook) fills them again, once, from
+    :meth:`_RecomputedRead.rebuild`. It runs before the others': each sublayer reading the
+    read takes the one before it in through its input (Block's partial; a Full pair's odd site
+    merges its own sublayer's output), so its backward waits for theirs. A read with its own
+    backward then keeps the refilled outputs, not the rebuilt copies."""
 
-def _pack_rebuilt(outputs: list[tuple[torch.Tensor, int | None]]):
-    """saved-tensor hooks that save any view of the ``(tensor, output index)`` of a
-    :class:`_RecomputedRead` (FSDP2 hands a module its inputs through an autograd function, as
-    new tensors on the same storage; a block's sites read views of its phase-1 output) as a
-    :class:`_Rebuild`, and every other tensor as it is. They hold no reference to the outputs
-    (the graph keeps the hooks of every tensor saved under them); the outputs live while the
-    hooks are on, so their memory is not reused meanwhile, and a plain tensor whose data lies in
-    an output's storage is a view of it (one address test per saved tensor: a routed sublayer
-    saves ~8, 48 sublayers a step)."""
-    known, weak = [], []
-    for t, i in outputs:
-        storage = t.untyped_storage()
-        start = storage.data_ptr()
-        if storage.nbytes():
-            known.append((start, start + storage.nbytes(), t.grad_fn, i, t.dtype))
-        weak.append((StorageWeakRef(storage), t.grad_fn, i, t.dtype))
+    __slots__ = ("outputs", "sizes", "empty", "last")
 
-    def pack(t):
-        if t.__class__ in PLAIN_TYPES:
-            address = t.data_ptr()
-            for start, end, node, index, dtype in known:
-                if start <= address < end and t.dtype == dtype:
-                    return _Rebuild(node, index, _layout(t))
-            return t
-        storage = StorageWeakRef(t.untyped_storage())  # a tensor subclass: its storage
-        for s, node, index, dtype in weak:
-            if storage == s and t.dtype == dtype:
-                return _Rebuild(node, index, _layout(t))
-        return t
+    def __init__(self, outputs: tuple):
+        self.outputs = outputs
+        self.sizes = tuple(_local(t).untyped_storage().nbytes() for t in outputs)
+        self.empty = False
+        self.last = None  # what the last sublayer reading them wrote (DepthRouter.wrote)
 
-    def unpack(saved):
-        if saved.__class__ is _Rebuild:
-            out = _RecomputedRead.rebuild(saved.node)
-            out = out if saved.index is None else out[saved.index]
-            return out.detach().as_strided(*saved.layout)
-        return saved
+    def give_back(self) -> None:
+        last = self.last if isinstance(self.last, tuple) else (self.last,)
+        nodes = {o.grad_fn for o in last if o is not None and o.grad_fn is not None}
+        if not nodes:  # no sublayer read them for a backward: nothing would fill them again
+            return
+        for node in nodes:  # projected (o, k): one node, or (eager) one each
+            node.register_prehook(self)
+        for t in self.outputs:
+            _local(t).untyped_storage().resize_(0)
+        self.empty, self.last = True, None
 
-    return pack, unpack
-
-
-# A selective-AC region inside saved-tensor hooks warns that torch will route the tensors it
-# caches through the hooks in a later release; the hooks above return every tensor but h as it
-# is (and SAC caches op outputs, never its region's input h), so both behaviours are the same.
-warnings.filterwarnings(
-    "ignore",
-    message="A saved_tensors_hooks context .* selective activation",
-    category=FutureWarning,
-)
+    def __call__(self, grads) -> None:
+        if not self.empty:
+            return
+        self.empty = False
+        ctx, outputs = self.outputs[0].grad_fn, self.outputs
+        fresh = _RecomputedRead.rebuild(ctx)
+        for t, f, n in zip(outputs, fresh if isinstance(fresh, tuple) else (fresh,), self.sizes):
+            t, f = _local(t), _local(f)
+            t.untyped_storage().resize_(n)
+            # .data: the same storage, and a version counter of its own, so the views autograd
+            # saved stay at their versions
+            t.data.copy_(f.detach())
+        if ctx.graph[0] is None:
+            detached = tuple(t.detach() for t in outputs)
+            ctx.graph = (None, detached if len(detached) > 1 else detached[0])
 
 
 def _merge_in_sublayer(query: torch.Tensor) -> bool:
@@ -420,17 +409,23 @@ class DepthRouter(Module):
             self._phase1(state, 0)
         return state
 
-    def recompute_input(self, state: DepthState):
-        """The context the sublayer reading the last read runs in: with ``recompute_reads`` a
-        save of what the read made (h, or a view of the block's phase-1 output: the sublayer's
-        checkpoint input, or its first op's) keeps the read's node instead, and the sublayer's
-        backward rebuilds it from the read's inputs. Else nothing."""
+    @staticmethod
+    def wrote(state: DepthState, out) -> None:
+        """The sublayer that read the last read wrote ``out``. With ``recompute_reads`` the
+        read made by :class:`_RecomputedRead` (h; a block's phase 1) keeps no memory for the
+        backward (:class:`_GivenBack`): its storages are given back once every sublayer reading
+        it ran (at the next such read, :meth:`_recomputed`), and the backward of the last of
+        them, which runs before the others', fills them again. Else nothing."""
         if state.recomputed is not None:
-            return saved_tensors_hooks(*_pack_rebuilt(state.recomputed))
-        h = state.last_read
-        if h is None or h.grad_fn is None:
-            return contextlib.nullcontext()
-        return saved_tensors_hooks(*_pack_rebuilt([(h, None)]))
+            state.recomputed.last = out
+
+    @staticmethod
+    def _recomputed(state: DepthState, outputs: tuple) -> None:
+        """``outputs`` of a new :class:`_RecomputedRead`: the last one's sublayers all ran, so
+        its storages are given back (:meth:`wrote`)."""
+        if state.recomputed is not None:
+            state.recomputed.give_back()
+        state.recomputed = _GivenBack(outputs) if outputs[0].grad_fn is not None else None
 
     def _per_block(self, state: DepthState) -> bool:
         """With ``recompute_reads``: whether this forward recomputes its reads per block (phase 1
@@ -528,13 +523,13 @@ class DepthRouter(Module):
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
         ``first`` = t, site 0 excluded), up to this module's last site; none when
         ``recompute_reads`` reads per site. Recomputed reads: through :class:`_RecomputedRead`
-        (the sublayers reading its views keep its node, :meth:`recompute_input`)."""
+        (its outputs keep no memory once its sites' sublayers ran, :meth:`wrote`)."""
         if state.paired:  # the next even site
             nxt = min(t + 2 - t % 2, self.num_sublayers + 1, self.site_stop)
         else:
             nxt = min(next((e for e in self.ends if e > t), self.num_sublayers + 1), self.site_stop)
         first = max(t, 1) if first is None else first
-        state.phase1 = state.recomputed = None
+        state.phase1 = None
         if nxt <= first or (self.recompute_reads and not self._per_block(state)):
             return
         values = [state.embedding, *state.values]
@@ -548,7 +543,7 @@ class DepthRouter(Module):
             inputs += queries
         if self.recompute_reads:
             out, lse = _RecomputedRead.apply(read, *inputs)
-            state.recomputed = [(out, 0), (lse, 1)]
+            self._recomputed(state, (out, lse))
             state.phase1 = (out.unbind(0), lse.unbind(0), first)
             return
         if bank[0] is not None:
@@ -613,8 +608,8 @@ class DepthRouter(Module):
         return out[i], read
 
     def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
-        """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead`; the state notes
-        it for :meth:`recompute_input`."""
+        """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead` (its output
+        keeps no memory once its sublayer ran, :meth:`wrote`)."""
         values, keys = self.sources(state)
         tensors = [*values, *(keys or []), self.query(t)]
         if state.partial is None and self.backend != "reference":  # a block end
@@ -623,8 +618,9 @@ class DepthRouter(Module):
             read = _SiteRead(len(values), self.projected, self.eps, self.backend, *bank, held)
         else:
             read = functools.partial(self._site_read, len(values))
-        state.last_read = _RecomputedRead.apply(read, *tensors)
-        return state.last_read
+        h = _RecomputedRead.apply(read, *tensors)
+        self._recomputed(state, (h,))
+        return h
 
     def _site_read(self, n: int, *tensors: torch.Tensor) -> torch.Tensor:
         """One site's read of its ``n`` sources, their keys when projected, then the query: the

@@ -217,8 +217,8 @@ class LRAttnResModel(Decoder):
         state = self.router.start(embedding)
         h, read = embedding, None
         for j, layer in enumerate(self.layers.values(), start=1):
-            with self.router.recompute_input(state):  # with AC: h rebuilt, not kept
-                out = sublayer_fn(j, layer, h, read)
+            out = sublayer_fn(j, layer, h, read)
+            self.router.wrote(state, out)  # with AC: what the read made is rebuilt, not kept
             h, read = self.router.step(state, j, out)
             if on_read is not None:
                 on_read(j, state)

@@ -122,8 +122,8 @@ class LRAttnResStage(LRAttnResModel):
             h, state = self._receive(inputs)
         read = None
         for key, layer in self.layers.items():
-            with router.recompute_input(state):  # with AC: h rebuilt in the backward, not kept
-                out = layer(h, attention_masks, positions, read)
+            out = layer(h, attention_masks, positions, read)
+            router.wrote(state, out)  # with AC: what the read made is rebuilt, not kept
             h, read = router.step(state, int(key) + 1, out)
         h = router.finish(h, read)
         if plan.send is None:
