@@ -110,6 +110,34 @@ def test_same_loss_and_gradients_and_no_h_kept(variant, blocks, ac):
 
 
 @pytest.mark.parametrize("ac", sorted(AC))
+@pytest.mark.parametrize("variant, blocks", [("sliced", 2), ("projected", None)])
+def test_a_partial_backward_the_same(variant, blocks, ac):
+    """What the reads made, given back after the forward, is there again for a backward that
+    runs only the nodes on the way to the first sublayer's parameters (``autograd.grad``)."""
+    tokens = _tokens()
+    ref, model = _model(variant, blocks), _model(variant, blocks, ac)
+    params = [list(m.layers["0"].parameters()) for m in (ref, model)]
+    want = torch.autograd.grad(_loss(ref, tokens), params[0])
+    got = torch.autograd.grad(_loss(model, tokens), params[1])
+    for w, g in zip(want, got, strict=True):
+        assert ((w - g).norm() / w.norm()).item() < TOLERANCE
+
+
+@pytest.mark.parametrize("variant, blocks", [("sliced", 2), ("projected", None)])
+def test_a_retained_graph_under_full_ac_adds_the_same_again(variant, blocks):
+    """The refilled storages stay for a retained graph's second backward (full AC; selective
+    AC refuses a second backward of its regions by design)."""
+    tokens = _tokens()
+    model = _model(variant, blocks, "full")
+    loss = _loss(model, tokens)
+    loss.backward(retain_graph=True)
+    once = {name: g.clone() for name, g in _grads(model).items()}
+    loss.backward()
+    for name, g in _grads(model).items():
+        torch.testing.assert_close(g, 2 * once[name], rtol=1e-6, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("ac", sorted(AC))
 def test_compiled_sublayers_the_same(ac):
     """torchtitan's per-sublayer compile over the AC wrappers (its order): the compiled
     function's save of h is dropped as the eager checkpoint's is; one graph per sublayer kind."""
