@@ -34,10 +34,10 @@ completed sources and the partial, kept anyway as later reads' inputs --, and wh
 keeps no memory once the sublayers reading it ran (:class:`_GivenBack`): the backward of the
 last of them fills it again from those inputs. Block source sets on the fused backends
 recompute per block: each block's phase-1 read once (for all its sites), the merges inside the
-sublayers' checkpointed graphs; Full, read in pairs, per pair. A
-pipeline stage's Full, tensor parallel and the reference backend recompute per site: each site's
-whole read. A recomputed read of completed sources only (a block's phase 1; a pipeline stage's
-Full sites) runs again without autograd and its backward is the op's
+sublayers' checkpointed graphs; Full, read in pairs, per pair. Tensor parallel and the
+reference backend recompute per site: each site's whole read. A recomputed read of completed
+sources only (a block's phase 1; a Full pair's) runs again without autograd and its backward is
+the op's
 (``custom_ops.block_read_backward``); one with a merge (reference backend, tensor parallel)
 rebuilds its autograd graph.
 
@@ -384,8 +384,7 @@ class DepthRouter(Module):
                 self.register_parameter(name, q)
         self.site_stop = m + 1  # one past this module's last read site (a pipeline stage's)
         # Full on the fused backends reads phase 1 once per pair of sites (t even: sites t and
-        # t + 1), site t + 1 merging its own sublayer's output in (:meth:`step`); a pipeline
-        # stage reads per site (``titan_lrattnres.parallel.pipeline.attach``)
+        # t + 1), site t + 1 merging its own sublayer's output in (:meth:`step`)
         self.pair_reads = len(self.ends) == m
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None
@@ -395,6 +394,11 @@ class DepthRouter(Module):
     def projected(self) -> bool:
         return self.variant == "projected"
 
+    @property
+    def reads_pairs(self) -> bool:
+        """Whether a forward reads Full's phase 1 in pairs of sites (``DepthState.paired``)."""
+        return self.pair_reads and self.backend != "reference" and self.variant != "baseline"
+
     # -- bookkeeping ------------------------------------------------------------------------
     def start(self, embedding: torch.Tensor) -> DepthState:
         """Site 0: one source (the embedding), the read is the identity."""
@@ -403,8 +407,7 @@ class DepthRouter(Module):
         key = None
         if self.projected:
             key = reference.key_rmsnorm(self.embedding_key(embedding), self.eps)
-        state = DepthState(embedding=embedding, embedding_key=key)
-        state.paired = self.pair_reads and self.backend != "reference"
+        state = DepthState(embedding=embedding, embedding_key=key, paired=self.reads_pairs)
         if self.backend != "reference":
             self._phase1(state, 0)
         return state
@@ -431,8 +434,7 @@ class DepthRouter(Module):
         """With ``recompute_reads``: whether this forward recomputes its reads per block (phase 1
         once per block, recomputed once in the backward; each merge inside the checkpointed graph
         of the sublayer reading it) rather than per site. Block source sets on the fused
-        backends, with the merges in the sublayers, and Full read in pairs (``state.paired``);
-        a pipeline stage's Full reads per site, one source set each."""
+        backends, with the merges in the sublayers, and Full read in pairs (``state.paired``)."""
         if state.per_block is None:
             queries = self.query_params()
             state.per_block = (

@@ -156,6 +156,7 @@ class LRAttnResStage(LRAttnResModel):
             keys=keys[1:],
             partial=partial,
             partial_key=partial_key,
+            paired=router.reads_pairs,
         )
         if router.backend != "reference":  # phase 1 of the current block, for this stage's sites
             last_end = max((e for e in router.ends if e <= hop.cut), default=0)
@@ -166,6 +167,10 @@ class LRAttnResStage(LRAttnResModel):
         router, plan, hop = self.router, self.plan, self.plan.send
         if router.variant == "baseline":
             return (h.contiguous(),)
+        if state.paired and state.partial is not None:
+            # a cut inside a Full pair (after its odd site): that site's sublayer output, merged
+            # in as the partial, is a completed source of its own for the stages after
+            router._complete(state)
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys]
         if len(values) != hop.n_sources:
@@ -196,7 +201,6 @@ def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:
     if plan.recv is not None:
         router.embedding_key = None
     router.site_stop = plan.last + 1
-    router.pair_reads = False  # a stage reads Full per site: its cut carries no pending source
     model.__class__ = LRAttnResStage
     model.plan, model.cache = plan, cache
 

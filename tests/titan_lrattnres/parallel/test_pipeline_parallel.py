@@ -91,15 +91,19 @@ def test_zero_bubble_schedules_are_refused_with_the_reason():
         check_schedule("ZBVZeroBubble")
 
 
+@pytest.mark.parametrize("blocks, backend", [(2, "reference"), (2, "auto"), (None, "auto")])
 @pytest.mark.parametrize("variant", ["baseline", "attnres", "sliced", "projected"])
-def test_stages_own_their_queries_and_match_the_whole_model(build, variant):
-    """Two stages of one model in one process, the hop passed by hand, the cache on: logits and
-    every gradient equal the whole model's (the depth state crosses a mid-block cut)."""
+def test_stages_own_their_queries_and_match_the_whole_model(build, variant, blocks, backend):
+    """Three stages of one model in one process, the hops passed by hand, the cache on: logits
+    and every gradient equal the whole model's. Block N=2: the depth state crosses a mid-block
+    cut. Full on the fused backend, read in pairs of sites (0, 1), (2, 3), (4): the cut after
+    sublayer 1 falls inside a pair (its output, the pair's partial, goes on as a source), the
+    one after 2 between pairs."""
     torch.manual_seed(0)
-    whole = build(variant=variant, blocks=2, rank=8)
+    whole = build(variant=variant, blocks=blocks, rank=8, depth_backend=backend)
 
     spans, ranks = [(1, 1), (2, 2), (3, 4)], [0, 1, 0]
-    plans = plan_stages(spans, ranks, schedule_ends(4, 2))
+    plans = plan_stages(spans, ranks, schedule_ends(4, blocks))
     cache, stages = SourceCache(), []
     for plan in plans:
         part = copy.deepcopy(whole)
@@ -113,6 +117,8 @@ def test_stages_own_their_queries_and_match_the_whole_model(build, variant):
         attach(part, plan, cache)
         stages.append(part)
     assert isinstance(stages[0], LRAttnResStage)
+    paired = variant != "baseline" and blocks is None and backend != "reference"
+    assert [s.router.reads_pairs for s in stages] == [paired] * 3
     owned = [sorted(n for n, _ in s.named_parameters() if n.startswith("router.")) for s in stages]
     key = ["router.embedding_key.weight"] if variant == "projected" else []
     want = [[*key, "router.query_1"], ["router.query_2"], ["router.query_3", "router.query_4"]]
