@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from custom_ops.schedule import schedule_ends
+from tests.titan_lrattnres.model.test_recompute_reads import AC
 from tests.titan_lrattnres.parallel_runs import (
     RTOL,
     RUN,
@@ -91,14 +92,19 @@ def test_zero_bubble_schedules_are_refused_with_the_reason():
         check_schedule("ZBVZeroBubble")
 
 
-@pytest.mark.parametrize("blocks, backend", [(2, "reference"), (2, "auto"), (None, "auto")])
+@pytest.mark.parametrize(
+    "blocks, backend, ac",
+    [(2, "reference", None), (2, "auto", None), (None, "auto", None), (2, "auto", "full"),
+     (None, "auto", "selective")],
+)  # fmt: skip
 @pytest.mark.parametrize("variant", ["baseline", "attnres", "sliced", "projected"])
-def test_stages_own_their_queries_and_match_the_whole_model(build, variant, blocks, backend):
+def test_stages_own_their_queries_and_match_the_whole_model(build, variant, blocks, backend, ac):
     """Three stages of one model in one process, the hops passed by hand, the cache on: logits
     and every gradient equal the whole model's. Block N=2: the depth state crosses a mid-block
     cut. Full on the fused backend, read in pairs of sites (0, 1), (2, 3), (4): the cut after
     sublayer 1 falls inside a pair (its output, the pair's partial, goes on as a source), the
-    one after 2 between pairs."""
+    one after 2 between pairs. With activation checkpointing on the stages (``ac``), their reads
+    recomputed, from the first, which the received sources feed."""
     torch.manual_seed(0)
     whole = build(variant=variant, blocks=blocks, rank=8, depth_backend=backend)
 
@@ -115,6 +121,9 @@ def test_stages_own_their_queries_and_match_the_whole_model(build, variant, bloc
         if plan.send is not None:
             part.norm = part.lm_head = None
         attach(part, plan, cache)
+        if ac is not None:
+            part.router.recompute_reads = True
+            AC[ac].Config().build().apply(part)
         stages.append(part)
     assert isinstance(stages[0], LRAttnResStage)
     paired = variant != "baseline" and blocks is None and backend != "reference"
@@ -137,7 +146,8 @@ def test_stages_own_their_queries_and_match_the_whole_model(build, variant, bloc
         torch.autograd.backward(outs[i], [t.grad for t in ins[i + 1]])
     cache.check_drained()
     want = dict(whole.named_parameters())
-    got = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    got = {n.replace("_checkpoint_wrapped_module.", ""): p.grad
+           for s in stages for n, p in s.named_parameters()}  # fmt: skip
     assert sorted(got) == sorted(want)  # every parameter on exactly one stage
     for name, g in got.items():  # fp32 sums in another order (standard keys: |grad| ~ 500)
         assert _rel(g, want[name].grad) < RTOL, (name, _rel(g, want[name].grad))
