@@ -171,6 +171,8 @@ CASES = {
         True,
         ["--compile.enable", "--compile.backend", "aot_eager"],
     ),
+    # the reads recomputed per site on DTensors, what they made given back between the passes
+    "projected_sp_selective_ac": ("projected", True, ["activation-checkpoint:selective"]),
 }
 
 
