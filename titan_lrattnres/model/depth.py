@@ -37,9 +37,8 @@ recompute per block: each block's phase-1 read once (for all its sites), the mer
 sublayers' checkpointed graphs; Full, read in pairs, per pair. Tensor parallel and the
 reference backend recompute per site: each site's whole read. A recomputed read of completed
 sources only (a block's phase 1; a Full pair's) runs again without autograd and its backward is
-the op's
-(``custom_ops.block_read_backward``); one with a merge (reference backend, tensor parallel)
-rebuilds its autograd graph.
+the op's (``custom_ops.block_read_backward``); one with a merge (reference backend, tensor
+parallel) rebuilds its autograd graph.
 
 The completed sources' gradients (fused backends, plain tensors): each phase-1 read adds its
 share into one fp32 buffer per source, in place (``custom_ops.SourceBank``, which on CPU also
