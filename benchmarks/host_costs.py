@@ -103,7 +103,7 @@ def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
     router, d = model.router, model.config.dim
     # a read at each block end, with one more source each; Full reads at every other site,
     # for two sites, with two more sources each
-    step = 2 if router.pair_reads else 1
+    step = 2 if router.reads_pairs else 1
     points = len(router.ends) // step
     counts = sorted({1, 1 + step * (points // 2), 1 + step * (points - 1)})
     c = router.num_sublayers // points

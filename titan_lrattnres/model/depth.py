@@ -285,12 +285,11 @@ class _GivenBack:
     merges its own sublayer's output), so its backward waits for theirs. A read with its own
     backward then keeps the refilled outputs, not the rebuilt copies."""
 
-    __slots__ = ("outputs", "sizes", "empty", "last")
+    __slots__ = ("outputs", "sizes", "last")
 
     def __init__(self, outputs: tuple):
         self.outputs = outputs
-        self.sizes = tuple(_local(t).untyped_storage().nbytes() for t in outputs)
-        self.empty = False
+        self.sizes = None  # the freed storages' bytes, while they are given back
         self.last = None  # what the last sublayer reading them wrote (DepthRouter.wrote)
 
     def give_back(self) -> None:
@@ -300,17 +299,18 @@ class _GivenBack:
             return
         for node in nodes:  # projected (o, k): one node, or (eager) one each
             node.register_prehook(self)
-        for t in self.outputs:
-            _local(t).untyped_storage().resize_(0)
-        self.empty, self.last = True, None
+        storages = [_local(t).untyped_storage() for t in self.outputs]
+        self.sizes, self.last = tuple(s.nbytes() for s in storages), None
+        for storage in storages:
+            storage.resize_(0)
 
     def __call__(self, grads) -> None:
-        if not self.empty:
+        sizes, self.sizes = self.sizes, None
+        if sizes is None:  # not given back, or filled again already
             return
-        self.empty = False
         ctx, outputs = self.outputs[0].grad_fn, self.outputs
         fresh = _RecomputedRead.rebuild(ctx)
-        for t, f, n in zip(outputs, fresh if isinstance(fresh, tuple) else (fresh,), self.sizes):
+        for t, f, n in zip(outputs, fresh if isinstance(fresh, tuple) else (fresh,), sizes):
             t, f = _local(t), _local(f)
             t.untyped_storage().resize_(n)
             # .data: the same storage, and a version counter of its own, so the views autograd
@@ -382,9 +382,6 @@ class DepthRouter(Module):
                 q = nn.Parameter(torch.zeros(config.rank, dtype=torch.float32))
                 self.register_parameter(name, q)
         self.site_stop = m + 1  # one past this module's last read site (a pipeline stage's)
-        # Full on the fused backends reads phase 1 once per pair of sites (t even: sites t and
-        # t + 1), site t + 1 merging its own sublayer's output in (:meth:`step`)
-        self.pair_reads = len(self.ends) == m
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None
         )
@@ -395,8 +392,14 @@ class DepthRouter(Module):
 
     @property
     def reads_pairs(self) -> bool:
-        """Whether a forward reads Full's phase 1 in pairs of sites (``DepthState.paired``)."""
-        return self.pair_reads and self.backend != "reference" and self.variant != "baseline"
+        """Whether a forward reads phase 1 in pairs of sites (``DepthState.paired``): Full on
+        the fused backends, at each even site t for sites t and t + 1, site t + 1 merging its
+        own sublayer's output in (:meth:`step`)."""
+        return (
+            len(self.ends) == self.num_sublayers
+            and self.backend != "reference"
+            and self.variant != "baseline"
+        )
 
     # -- bookkeeping ------------------------------------------------------------------------
     def start(self, embedding: torch.Tensor) -> DepthState:
@@ -454,8 +457,7 @@ class DepthRouter(Module):
         o, k = out if self.projected else (out, None)
         # Full read in pairs: an odd site's output is the partial its own read merges in, then
         # a source of its own (not summed with the next); the even sites are ends as in Block
-        if state.paired and state.partial is not None:
-            self._complete(state)
+        self.complete_pair(state)
         if state.paired or state.handed_partial or state.partial is None:  # out is the partial
             state.partial, state.partial_key = o, k
         else:  # block key = sum of emission-normalised member keys
@@ -470,6 +472,13 @@ class DepthRouter(Module):
         if self.backend == "reference":
             return self._read_normalised_once(state, j), None
         return self._read_two_phase(state, j)
+
+    @classmethod
+    def complete_pair(cls, state: DepthState) -> None:
+        """Full read in pairs: the odd site's sublayer output, merged in as the partial, joins
+        the completed sources as itself (at the next site, or at a pipeline cut after it)."""
+        if state.paired and state.partial is not None:
+            cls._complete(state)
 
     @staticmethod
     def _complete(state: DepthState) -> None:

@@ -167,10 +167,7 @@ class LRAttnResStage(LRAttnResModel):
         router, plan, hop = self.router, self.plan, self.plan.send
         if router.variant == "baseline":
             return (h.contiguous(),)
-        if state.paired and state.partial is not None:
-            # a cut inside a Full pair (after its odd site): that site's sublayer output, merged
-            # in as the partial, is a completed source of its own for the stages after
-            router._complete(state)
+        router.complete_pair(state)  # a cut inside a Full pair: its odd site's output goes on
         values = [state.embedding, *state.values]
         keys = [state.embedding_key, *state.keys]
         if len(values) != hop.n_sources:

@@ -123,7 +123,7 @@ def test_merges_inside_compiled_sublayers_match_reference(build, variant, blocks
     # at every odd site (its own sublayer's output) and casts at the even ones
     ends = set(fused.router.ends)
     if blocks is None:
-        assert fused.router.pair_reads
+        assert fused.router.reads_pairs
         assert reads == [t % 2 == 1 for t in range(1, 49)]
     else:
         assert reads == [t not in ends for t in range(1, 49)]
