@@ -3,9 +3,11 @@
 They compute ``custom_ops.composite``'s functions for fp32 CPU tensors in one pass per token over
 its rows, on the OpenMP runtime torch has loaded (checked at load), sharing its thread pool. A
 function returns None when it cannot serve a call (another dtype or device, no compiler, a refused
-library): the caller runs the composite. C is reached only through ``call``: arguments by name in
-the order of ``SIGNATURES`` (checked against the C definitions at load), every address taken from
-a checked fp32 CPU tensor, so that a slip raises instead of corrupting memory.
+library): the caller runs the composite. C is reached through ``call``: arguments by name in the
+order of ``SIGNATURES`` (checked against the C definitions at load), every address taken from a
+checked fp32 CPU tensor, so that a slip raises instead of corrupting memory. A bank's phase-1
+reads (``SourceTables``) call the read kernels directly, their sources checked once when they
+joined the bank, every other tensor checked or made at the call.
 """
 
 from __future__ import annotations
@@ -29,10 +31,6 @@ from custom_ops.cpu.calls import (
     _P,
     SIGNATURES,
     At,
-    Table,
-    _Flat,
-    _Rows,
-    _Strides,
     call,
     check_signatures,
 )
@@ -208,18 +206,16 @@ def _sources(values, keys) -> tuple:
     return (vp, vs, vp, vs) if keys is None else (vp, vs, *_row_table(keys))
 
 
-def read_fwd(values, keys, queries, eps: float, sources=None):
-    """``composite.read_fwd`` fused, or None when not applicable. ``sources``: the kernel's
-    ``(vp, vs, kp, ks)`` for these values and keys, checked before (``SourceTables``)."""
-    usable = _usable(queries) if sources else _usable(*values, *(keys or ()), queries)
-    if not usable or (lib := library()) is None:
+def read_fwd(values, keys, queries, eps: float):
+    """``composite.read_fwd`` fused, or None when not applicable."""
+    if not _usable(*values, *(keys or ()), queries) or (lib := library()) is None:
         return None
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
     out, lse = _empty((nc, *lead, d)), _empty((nc, *lead))
-    vp, vs, kp, ks = sources or _sources(values, keys)
+    vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_fwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), out=out, lse=lse,
          threads=_threads(n))  # fmt: skip
@@ -238,19 +234,15 @@ def _per_query_rows(grad_out, nc: int, n: int, d: int):
 
 
 def read_bwd(
-    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False,
-    sources=None,
+    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False
 ):  # fmt: skip
     """``composite.read_bwd`` fused, or None when not applicable. ``grad_out``: ``[C, ..., d]``
     or a sequence of C per-query gradients ``[..., d]`` (None entries: zero), each read where it
     lies (``api.block_read(split=True)``'s backward: no stacked copy). ``out``: ``(value grads,
-    key grads or None)``, fp32 buffers (or their ``calls.Table``s) the gradients are written
-    into (added to what they hold when ``accumulate``) and returned as; the call checks each
-    before its address is taken. ``sources``: as for :func:`read_fwd`."""
+    key grads or None)``, fp32 buffers the gradients are written into (added to what they hold
+    when ``accumulate``) and returned as; the call checks each before its address is taken."""
     per_query = grad_out if isinstance(grad_out, (list, tuple)) else (grad_out,)
-    tensors = (queries, lse, *per_query, grad_lse)
-    if not sources:
-        tensors += (*values, *(keys or ()))
+    tensors = (queries, lse, *per_query, grad_lse, *values, *(keys or ()))
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
@@ -263,7 +255,7 @@ def read_bwd(
     else:
         gv, gk = out
     dq = _empty((nc, rank))
-    vp, vs, kp, ks = sources or _sources(values, keys)
+    vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), lse=_flat(lse),
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
@@ -274,16 +266,20 @@ def read_bwd(
 class SourceTables:
     """The read kernels' view of a bank of sources (``custom_ops.bank.SourceBank``): values
     of one shape ``[..., d]`` (projected keys ``[..., r]``), fp32 CPU plain contiguous tensors,
-    each checked once, when it joins the bank (:meth:`fits`). A read of the first n then passes
-    their addresses as ``calls.Table``s, with no check per source and call; a read of every
-    source so far at every site (Full) otherwise checks O(L²) tensors a step."""
+    each checked once, when it joins the bank (:meth:`fits`). A read of the first n then calls
+    the kernel directly, not through ``call``: the sources' addresses as they are, and every
+    other address from a buffer made here, a gradient sum the bank made like its sources, or a
+    tensor checked here (:func:`_flat_f32`). Through ``call`` a read checked every argument by
+    name, a third of a phase-1 read's host time at a host-bound shape; a read of every source so
+    far at every site (Full) checked O(L²) tensors a step."""
 
-    __slots__ = ("shape", "key_shape", "_strides")
+    __slots__ = ("shape", "key_shape", "rows", "_strides")
 
     def __init__(self, value: torch.Tensor, key: torch.Tensor | None):
         self.shape = value.shape
         self.key_shape = None if key is None else key.shape
-        self._strides: dict = {}  # (count, row stride): its strides Table
+        self.rows = value.numel() // value.shape[-1] if value.shape[-1] else 0
+        self._strides: dict = {}  # (count, row stride): its ctypes table
 
     @staticmethod
     def _plain(x, shape) -> bool:
@@ -300,44 +296,96 @@ class SourceTables:
             self.key_shape is not None and self.key_shape[-1] and self._plain(key, self.key_shape)
         )
 
-    def _rows(self, tensors: list, n: int, stride: str) -> Table:
-        width = self.shape[-1] if stride == "vs" else self.key_shape[-1]
+    def _rank(self, queries) -> int | None:
+        """r of ``queries [c, r]`` when the kernels can take them with these sources (fp32 CPU
+        plain contiguous; r the keys' width, or sliced at most d), else None."""
+        q = queries
+        if not (q.__class__ in PLAIN_TYPES and q.dtype == _F32 and q.is_cpu and q.dim() == 2
+                and q.shape[0] and q.is_contiguous()):  # fmt: skip
+            return None
+        r = q.shape[1]
+        ok = r == self.key_shape[-1] if self.key_shape is not None else 0 < r <= self.shape[-1]
+        return r if ok else None
+
+    def _table(self, tensors: list, n: int, width: int) -> tuple:
+        """``(addresses, row strides)`` of the first n of ``tensors`` (sources that fit)."""
         strides = self._strides.get((n, width))
         if strides is None:
-            strides = self._strides[n, width] = Table((_I * n)(*[width] * n), _Strides(n))
-        rows = tensors[0].numel() // width
-        array = (_P * n)(*[x.data_ptr() for x in tensors[:n]])
-        return Table(array, _Rows(rows, width, stride, n), tuple(tensors[:n]), strides)
-
-    @staticmethod
-    def sums(buffers: list, width: int) -> Table:
-        """The table of a bank's gradient sums ``buffers``: fp32 CPU contiguous, one per source,
-        shaped like the values (width d) or keys (width r), made by the bank itself."""
-        rows, n = buffers[0].numel() // width, len(buffers)
-        array = (_P * n)(*[b.data_ptr() for b in buffers])
-        return Table(array, _Flat(rows * width, n), tuple(buffers))
+            strides = self._strides[n, width] = (_I * n)(*[width] * n)
+        return (_P * n)(*[x.data_ptr() for x in tensors[:n]]), strides
 
     def _sources(self, values: list, keys: list | None) -> tuple:
-        n = len(values)
-        vp = self._rows(values, n, "vs")
-        kp = vp if keys is None else self._rows(keys, n, "ks")
-        return vp, vp.strides, kp, kp.strides
+        n, d = len(values), self.shape[-1]
+        vp, vs = self._table(values, n, d)
+        kp, ks = (vp, vs) if keys is None else self._table(keys, n, self.key_shape[-1])
+        return vp, vs, kp, ks
 
     def read_fwd(self, values: list, keys: list | None, queries: torch.Tensor, eps: float):
         """:func:`read_fwd` of the bank's sources ``values`` (``keys``), each of which passed
-        :meth:`fits`."""
-        return read_fwd(values, keys, queries, eps, self._sources(values, keys))
+        :meth:`fits`; None when the kernels cannot take ``queries`` (the bank calls the op)."""
+        r = self._rank(queries)
+        if r is None or not ENABLED or (lib := library()) is None:
+            return None
+        c, n, d = queries.shape[0], self.rows, self.shape[-1]
+        out, lse = _empty((c, *self.shape)), _empty((c, *self.shape[:-1]))
+        lib.read_fwd(len(values), c, n, d, r, int(keys is None), *self._sources(values, keys),
+                     queries.data_ptr(), float(eps), out.data_ptr(), lse.data_ptr(),
+                     _threads(n))  # fmt: skip
+        return out, lse
 
     def read_bwd(self, values, keys, queries, lse, grad_out, grad_lse, eps, sums, key_sums, add):
         """:func:`read_bwd` of the bank's sources into its fp32 ``sums`` (``key_sums``:
-        projected), written or added to (``add``). Returns the queries' gradient ``[c, r]``
-        fp32, or None when the kernels cannot take the call's tensors (the bank then calls the
-        op)."""
-        out = (self.sums(sums, self.shape[-1]),
-               None if key_sums is None else self.sums(key_sums, self.key_shape[-1]))  # fmt: skip
-        sources = self._sources(values, keys)
-        found = read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, out, add, sources)
-        return None if found is None else found[2]
+        projected; made by the bank like its sources), written or added to (``add``). Returns
+        the queries' gradient ``[c, r]`` fp32, or None when the kernels cannot take the call's
+        tensors (the bank then calls the op)."""
+        r = self._rank(queries)
+        if r is None or not ENABLED or (lib := library()) is None:
+            return None
+        c, n, d = queries.shape[0], self.rows, self.shape[-1]
+        keep = []  # what the addresses point into, alive until the call returns
+        lse, dlse = _flat_f32(lse, c * n, keep), _flat_f32(grad_lse, c * n, keep)
+        dout = _site_rows(grad_out, c, n * d, keep)
+        if lse is None or lse is False or dlse is False or dout is False:
+            return None
+        s = len(values)
+        gv = (_P * s)(*[g.data_ptr() for g in sums])
+        gk = gv if key_sums is None else (_P * s)(*[g.data_ptr() for g in key_sums])
+        dq = _empty((c, r))
+        lib.read_bwd(s, c, n, d, r, int(keys is None), *self._sources(values, keys),
+                     queries.data_ptr(), float(eps), lse, dout, dlse, gv, gk, int(add),
+                     dq.data_ptr(), _threads(n))  # fmt: skip
+        return dq
+
+
+def _flat_f32(x, size: int, keep: list):
+    """The address of ``x``'s ``size`` elements, fp32 CPU, row-major (a copy kept in ``keep``
+    when x is strided): None for None, False when x is no fp32 CPU plain tensor (the caller
+    leaves the call to the op); a ValueError, in one line, for another number of elements."""
+    if x is None:
+        return None
+    if not (x.__class__ in PLAIN_TYPES and x.dtype == _F32 and x.is_cpu):
+        return False
+    if x.numel() != size:
+        raise ValueError(f"a read kernel argument of {x.numel()} elements, where it takes {size}")
+    if not x.is_contiguous():
+        x = x.contiguous()
+        keep.append(x)
+    return x.data_ptr()
+
+
+def _site_rows(grad_out, c: int, size: int, keep: list):
+    """The table of each site's ``size``-element gradient (``grad_out``: ``[c, ..., d]`` or c
+    tensors, None entries: zero; None: no gradient at all), as :func:`_flat_f32` checks them:
+    None, the table, or False."""
+    if grad_out is None:
+        return None
+    if isinstance(grad_out, torch.Tensor):
+        base = _flat_f32(grad_out, c * size, keep)
+        return base if base is False else (_P * c)(*[base + 4 * size * i for i in range(c)])
+    if len(grad_out) != c:
+        raise ValueError(f"{len(grad_out)} sites' gradients for a read of {c} queries")
+    found = [_flat_f32(g, size, keep) for g in grad_out]
+    return False if any(x is False for x in found) else (_P * c)(*found)
 
 
 def _merge_inputs(out1, partial_value, partial_key, rank) -> tuple:

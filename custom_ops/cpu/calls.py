@@ -99,21 +99,6 @@ class At(NamedTuple):
     offset: int
 
 
-class Table(NamedTuple):
-    """A table argument checked once and passed as it is (``call``): the ctypes ``array`` of
-    the addresses of ``tensors`` (kept alive with it), or of row strides (``tensors`` empty),
-    and the ``need`` (``_Flat``, ``_Rows``, ``_Strides``) they were checked against; rows go
-    with the ``strides`` table they were checked with, which the call must pass. Made by
-    ``custom_ops.cpu.SourceTables``, which checks each source once when it joins a bank, where a
-    list is checked entry by entry at every call (a bank's read takes all its sources so far:
-    O(L²) checks a step for Full)."""
-
-    array: object
-    need: tuple
-    tensors: tuple = ()
-    strides: Table | None = None
-
-
 class _Flat(NamedTuple):
     """A contiguous fp32 tensor of at least ``size`` elements from the address on; ``table``:
     a table of that many such addresses; ``null``: NULL allowed (the table or its entries)."""
@@ -195,7 +180,7 @@ def call(lib, kernel: str, /, **args) -> None:
     """Runs ``kernel`` of ``lib`` with ``args`` by name, passed in the order of ``SIGNATURES``.
 
     A pointer argument is a tensor (or an ``At``), a list of them for a table of addresses (ints
-    for a table of row strides; or a ``Table`` checked before) or None for NULL where the kernel
+    for a table of row strides) or None for NULL where the kernel
     allows it. Each is checked against what the kernel reaches through it (``_memory``) before
     its address is taken: fp32, on the CPU, contiguous or rows of unit column stride, large
     enough; a ValueError naming the argument otherwise (a TypeError for a missing or unknown
@@ -231,12 +216,6 @@ def call(lib, kernel: str, /, **args) -> None:
                          else x.dim() and x.shape[-1] == width and 0 <= offset <= room)
                     ):  # fmt: skip
                 ordered[i] = x.data_ptr() + 4 * offset  # fp32: 4 bytes
-            elif x.__class__ is Table:
-                if not _covers(x.need, need, args) or (
-                    need.__class__ is _Rows and args[need.stride] is not x.strides
-                ):
-                    raise _Refused(f": a table checked as {x.need}, the kernel needs {need}")
-                ordered[i] = x.array
             elif need.table or need.__class__ is _Strides:
                 for seen, seen_need, table in tables:
                     if seen is x and _covers(seen_need, need, args):

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import custom_ops
 from custom_ops import cpu
-from custom_ops.cpu import calls
 from tests.custom_ops.cases import ReadCase, make_read, read_cases
 from tests.custom_ops.tolerances import assert_close
 
@@ -126,21 +125,31 @@ def test_wrong_use_is_refused():
         assert "\n" not in str(e.value)
 
 
-def test_a_checked_table_is_passed_only_where_it_covers():
-    """``calls.Table``: refused where the kernel needs more than it was checked for, or with
-    another strides table than its own."""
-    values, _, queries = _inputs(ReadCase((1, 6), 8, 8, 2, True, torch.float32, 2), 1)
+def test_the_direct_calls_check_what_the_sources_do_not():
+    """A bank's reads call the kernels directly (``SourceTables``): queries or gradients the
+    kernels cannot take leave the call to the op (None), a strided gradient is read as its
+    copy, one site's gradient of another size is refused in one line."""
+    values, _, queries = _inputs(ReadCase((2, 5), 16, 8, 3, True, torch.float32, 3), 2)
     tables = cpu.SourceTables(values[0], None)
-    vp, vs, _, _ = tables._sources(values, None)
-    out, lse = torch.empty(1, 1, 6, 8), torch.empty(1, 1, 6)
-    args = dict(C=1, n=6, d=8, r=8, sliced=1, q=queries, eps=1e-6, out=out, lse=lse, threads=1)
-    calls.call(cpu.library(), "read_fwd", S=2, vp=vp, vs=vs, kp=vp, ks=vs, **args)
-    other = calls.Table(vs.array, vs.need)
-    for changed, message in [
-        (dict(S=3), "argument vp: a table checked as"),
-        (dict(S=2, vs=other, ks=other), "argument vp: a table checked as"),
-        (dict(S=2, d=16), "argument vp: a table checked as"),
-    ]:
-        kw = dict(S=2, vp=vp, vs=vs, kp=vp, ks=vs, **args) | changed
-        with pytest.raises(ValueError, match=message):
-            calls.call(cpu.library(), "read_fwd", **kw)
+    assert tables.read_fwd(values, None, queries.t().contiguous().t(), 1e-6) is None
+    assert tables.read_fwd(values, None, torch.randn(2, 17), 1e-6) is None  # sliced r > d
+    out, lse = tables.read_fwd(values, None, queries, 1e-6)
+    g = torch.Generator().manual_seed(4)
+    grads = [torch.randn(out[0].shape, generator=g) for _ in range(2)]
+
+    def backward(grad_out, grad_lse=None):
+        sums = [torch.empty(values[0].shape) for _ in values]
+        found = tables.read_bwd(values, None, queries, lse, grad_out, grad_lse, 1e-6, sums, None,
+                                False)  # fmt: skip
+        return None if found is None else (found, sums)
+
+    dq, sums = backward(grads)
+    for same in ([g.transpose(0, 1).contiguous().transpose(0, 1) for g in grads],
+                 torch.stack(grads)):  # fmt: skip
+        dq2, sums2 = backward(same)
+        assert torch.equal(dq, dq2) and all(map(torch.equal, sums, sums2))
+    assert backward([grads[0].bfloat16(), grads[1]]) is None
+    assert backward(grads, lse.double()) is None
+    with pytest.raises(ValueError, match="of 80 elements, where it takes 160") as e:
+        backward([grads[0][:1], grads[1]])
+    assert "\n" not in str(e.value)
