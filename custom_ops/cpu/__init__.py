@@ -316,6 +316,8 @@ class SourceTables:
 
     def _sources(self, values: list, keys: list | None) -> tuple:
         n, d = len(values), self.shape[-1]
+        if keys is not None and len(keys) != n:
+            raise ValueError(f"{n} sources but {len(keys)} keys")
         vp, vs = self._table(values, n, d)
         kp, ks = (vp, vs) if keys is None else self._table(keys, n, self.key_shape[-1])
         return vp, vs, kp, ks
@@ -348,6 +350,8 @@ class SourceTables:
         if lse is None or lse is False or dlse is False or dout is False:
             return None
         s = len(values)
+        if len(sums) != s or (key_sums is None) != (keys is None) or len(key_sums or sums) != s:
+            raise ValueError(f"{s} sources need {s} gradient sums (and {s} key sums if keyed)")
         gv = (_P * s)(*[g.data_ptr() for g in sums])
         gk = gv if key_sums is None else (_P * s)(*[g.data_ptr() for g in key_sums])
         dq = _empty((c, r))

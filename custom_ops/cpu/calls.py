@@ -180,11 +180,10 @@ def call(lib, kernel: str, /, **args) -> None:
     """Runs ``kernel`` of ``lib`` with ``args`` by name, passed in the order of ``SIGNATURES``.
 
     A pointer argument is a tensor (or an ``At``), a list of them for a table of addresses (ints
-    for a table of row strides) or None for NULL where the kernel
-    allows it. Each is checked against what the kernel reaches through it (``_memory``) before
-    its address is taken: fp32, on the CPU, contiguous or rows of unit column stride, large
-    enough; a ValueError naming the argument otherwise (a TypeError for a missing or unknown
-    argument)."""
+    for a table of row strides) or None for NULL where the kernel allows it. Each is checked
+    against what the kernel reaches through it (``_memory``) before its address is taken: fp32,
+    on the CPU, contiguous or rows of unit column stride, large enough; a ValueError naming the
+    argument otherwise (a TypeError for a missing or unknown argument)."""
     params = SIGNATURES[kernel]
     if (layout := _LAYOUTS.get(kernel)) is None or layout[0] is not params:
         in_order = operator.itemgetter(*(name for name, _ in params))

@@ -150,6 +150,21 @@ def test_the_direct_calls_check_what_the_sources_do_not():
         assert torch.equal(dq, dq2) and all(map(torch.equal, sums, sums2))
     assert backward([grads[0].bfloat16(), grads[1]]) is None
     assert backward(grads, lse.double()) is None
-    with pytest.raises(ValueError, match="of 80 elements, where it takes 160") as e:
-        backward([grads[0][:1], grads[1]])
-    assert "\n" not in str(e.value)
+    for wrong, message in [
+        (lambda: backward([grads[0][:1], grads[1]]), "of 80 elements, where it takes 160"),
+        (
+            lambda: tables.read_bwd(
+                values, None, queries, lse, grads, None, 1e-6, sums[:2], None, False
+            ),
+            "3 sources need 3 gradient sums",
+        ),  # fmt: skip
+        (
+            lambda: tables.read_bwd(
+                values, None, queries, lse, grads, None, 1e-6, sums, sums, False
+            ),
+            "3 sources need 3 gradient sums",
+        ),  # fmt: skip
+    ]:
+        with pytest.raises(ValueError, match=message) as e:
+            wrong()
+        assert "\n" not in str(e.value)
