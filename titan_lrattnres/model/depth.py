@@ -473,6 +473,14 @@ class DepthRouter(Module):
             return self._read_normalised_once(state, j), None
         return self._read_two_phase(state, j)
 
+    def resume(self, state: DepthState, cut: int) -> None:
+        """A state received at a pipeline cut after sublayer ``cut``: phase 1 of the block (or
+        Full pair) in progress, for this module's sites from cut + 1 on (the fused backends; the
+        reference reads each site as it comes)."""
+        if self.backend != "reference":
+            last_end = max((e for e in self.ends if e <= cut), default=0)
+            self._phase1(state, last_end, first=cut + 1)
+
     @classmethod
     def complete_pair(cls, state: DepthState) -> None:
         """Full read in pairs: the odd site's sublayer output, merged in as the partial, joins

@@ -158,9 +158,7 @@ class LRAttnResStage(LRAttnResModel):
             partial_key=partial_key,
             paired=router.reads_pairs,
         )
-        if router.backend != "reference":  # phase 1 of the current block, for this stage's sites
-            last_end = max((e for e in router.ends if e <= hop.cut), default=0)
-            router._phase1(state, last_end, first=hop.cut + 1)
+        router.resume(state, hop.cut)
         return h, state
 
     def _send(self, state: DepthState, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
