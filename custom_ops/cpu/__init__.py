@@ -41,7 +41,10 @@ from custom_ops.reference import DEFAULT_EPS
 ENABLED = os.environ.get("LRATTNRES_CPU_KERNELS", "1") != "0"
 _SOURCE = Path(__file__).with_name("depth_read.c")
 ABI = 4  # lrattnres_cpu_abi() of a library this wrapper can call
-_MIN_TOKENS_PER_THREAD = 64
+# Tokens per thread at least: at d=64, 32 tokens, a read of 5 to 47 sources for 2 to 6 queries
+# took 0.64-0.83x its one-thread time on 2 threads (forward and backward; 1 source: 0.92-0.97x).
+# A one-token decode call stays on one thread.
+_MIN_TOKENS_PER_THREAD = 16
 
 
 # An OpenMP runtime's file name: GNU (libgomp, also as a wheel's libgomp-<hash>), Intel, LLVM
