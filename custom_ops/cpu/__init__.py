@@ -315,7 +315,7 @@ class SourceTables:
         strides = self._strides.get((n, width))
         if strides is None:
             strides = self._strides[n, width] = (_I * n)(*[width] * n)
-        return (_P * n)(*[x.data_ptr() for x in tensors[:n]]), strides
+        return _addresses(tensors[:n]), strides
 
     def _sources(self, values: list, keys: list | None) -> tuple:
         n, d = len(values), self.shape[-1]
@@ -355,13 +355,18 @@ class SourceTables:
         s = len(values)
         if len(sums) != s or (key_sums is None) != (keys is None) or len(key_sums or sums) != s:
             raise ValueError(f"{s} sources need {s} gradient sums (and {s} key sums if keyed)")
-        gv = (_P * s)(*[g.data_ptr() for g in sums])
-        gk = gv if key_sums is None else (_P * s)(*[g.data_ptr() for g in key_sums])
+        gv = _addresses(sums)
+        gk = gv if key_sums is None else _addresses(key_sums)
         dq = _empty((c, r))
         lib.read_bwd(s, c, n, d, r, int(keys is None), *self._sources(values, keys),
                      queries.data_ptr(), float(eps), lse, dout, dlse, gv, gk, int(add),
                      dq.data_ptr(), _threads(n))  # fmt: skip
         return dq
+
+
+def _addresses(tensors) -> ctypes.Array:
+    """The ctypes table of ``tensors``' addresses."""
+    return (_P * len(tensors))(*[x.data_ptr() for x in tensors])
 
 
 def _flat_f32(x, size: int, keep: list):
