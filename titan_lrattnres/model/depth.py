@@ -31,14 +31,14 @@ Two read paths give the same numbers (tested):
 With activation checkpointing (``recompute_reads``, set by the model config) the reads are
 recomputed in the backward instead (:class:`_RecomputedRead`), keeping only their inputs -- the
 completed sources and the partial, kept anyway as later reads' inputs --, and what they made
-keeps no memory once the sublayers reading it ran (:class:`_GivenBack`): the backward of the
-last of them fills it again from those inputs. Block source sets on the fused backends
-recompute per block: each block's phase-1 read once (for all its sites), the merges inside the
-sublayers' checkpointed graphs; Full, read in pairs, per pair. Tensor parallel and the
-reference backend recompute per site: each site's whole read. A recomputed read of completed
-sources only (a block's phase 1; a Full pair's) runs again without autograd and its backward is
-the op's (``custom_ops.block_read_backward``); one with a merge (reference backend, tensor
-parallel) rebuilds its autograd graph.
+keeps no memory once the sublayers reading it ran (:class:`_GivenBack`): the next read's
+backward, which runs before theirs, fills it again from those inputs. Block source sets on the
+fused backends recompute per block: each block's phase-1 read once (for all its sites), the
+merges inside the sublayers' checkpointed graphs; Full, read in pairs, per pair. Tensor
+parallel and the reference backend recompute per site: each site's whole read. A recomputed
+read of completed sources only (a block's phase 1; a Full pair's) runs again without autograd
+and its backward is the op's (``custom_ops.block_read_backward``); one with a merge (reference
+backend, tensor parallel) rebuilds its autograd graph.
 
 The completed sources' gradients (fused backends, plain tensors): each phase-1 read adds its
 share into one fp32 buffer per source, in place (``custom_ops.SourceBank``, which on CPU also
@@ -104,7 +104,7 @@ class _RecomputedRead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, read, *inputs):
-        ctx.read, ctx.graph = read, None
+        ctx.read, ctx.graph, ctx.given_back = read, None, None
         ctx.save_for_backward(*inputs)
         return read(*inputs)
 
@@ -125,6 +125,9 @@ class _RecomputedRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        given_back, ctx.given_back = ctx.given_back, None
+        if given_back is not None:  # the read before this one (_GivenBack)
+            given_back()
         outs = _RecomputedRead.rebuild(ctx)
         leaves, ctx.graph = ctx.graph[0], None
         needs = ctx.needs_input_grad[1:]
@@ -276,35 +279,31 @@ class _GivenBack:
     """The outputs of a :class:`_RecomputedRead` (h; a block's phase-1 ``(out, lse)``) from
     the forward of the sublayers reading them to their backwards.
 
-    Once they all ran, :meth:`give_back` frees the outputs' storages: the tensors, and every
-    view of them those sublayers saved (a checkpoint's input, a first op's, FSDP2's aliases of
-    a module's inputs), stay, without memory. The backward of the ``last`` of them (its output's
-    node; this object is the node's pre-hook) fills them again, once, from
-    :meth:`_RecomputedRead.rebuild`. It runs before the others': each sublayer reading the
-    read takes the one before it in through its input (Block's partial; a Full pair's odd site
-    merges its own sublayer's output), so its backward waits for theirs. A read with its own
-    backward then keeps the refilled outputs, not the rebuilt copies."""
+    Once they all ran, the next read takes this object (:meth:`DepthRouter._recomputed`):
+    :meth:`give_back` frees the outputs' storages: the tensors, and every view of them those
+    sublayers saved (a checkpoint's input, a first op's, FSDP2's aliases of a module's inputs),
+    stay, without memory. The next read's backward fills them again, once, from
+    :meth:`_RecomputedRead.rebuild` (this object is called). It runs before the backwards of
+    the sublayers reading them: the next read takes in what the last of them wrote (the block
+    sum it completed, a Full pair's two outputs, or the partial holding it), and each of them
+    takes the one before it in through its input (Block's partial; a Full pair's odd site
+    merges its own sublayer's output). A read with its own backward then keeps the refilled
+    outputs, not the rebuilt copies. (A Python pre-hook on the last sublayer's compiled node,
+    which did this before, cost 3 % of a host-bound step under selective AC.)"""
 
-    __slots__ = ("outputs", "sizes", "last")
+    __slots__ = ("outputs", "sizes")
 
     def __init__(self, outputs: tuple):
         self.outputs = outputs
         self.sizes = None  # the freed storages' bytes, while they are given back
-        self.last = None  # what the last sublayer reading them wrote (DepthRouter.wrote)
 
     def give_back(self) -> None:
-        last = self.last if isinstance(self.last, tuple) else (self.last,)
-        nodes = {o.grad_fn for o in last if o is not None and o.grad_fn is not None}
-        if not nodes:  # no sublayer read them for a backward: nothing would fill them again
-            return
-        for node in nodes:  # projected (o, k): one node, or (eager) one each
-            node.register_prehook(self)
         storages = [_local(t).untyped_storage() for t in self.outputs]
-        self.sizes, self.last = tuple(s.nbytes() for s in storages), None
+        self.sizes = tuple(s.nbytes() for s in storages)
         for storage in storages:
             storage.resize_(0)
 
-    def __call__(self, grads) -> None:
+    def __call__(self) -> None:
         sizes, self.sizes = self.sizes, None
         if sizes is None:  # not given back, or filled again already
             return
@@ -415,22 +414,15 @@ class DepthRouter(Module):
         return state
 
     @staticmethod
-    def wrote(state: DepthState, out) -> None:
-        """The sublayer that read the last read wrote ``out``. With ``recompute_reads`` the
-        read made by :class:`_RecomputedRead` (h; a block's phase 1) keeps no memory for the
-        backward (:class:`_GivenBack`): its storages are given back once every sublayer reading
-        it ran (at the next such read, :meth:`_recomputed`), and the backward of the last of
-        them, which runs before the others', fills them again. Else nothing."""
-        if state.recomputed is not None:
-            state.recomputed.last = out
-
-    @staticmethod
     def _recomputed(state: DepthState, outputs: tuple) -> None:
-        """``outputs`` of a new :class:`_RecomputedRead`: the last one's sublayers all ran, so
-        its storages are given back (:meth:`wrote`)."""
-        if state.recomputed is not None:
-            state.recomputed.give_back()
-        state.recomputed = _GivenBack(outputs) if outputs[0].grad_fn is not None else None
+        """``outputs`` of a new :class:`_RecomputedRead`: the sublayers reading the last one's
+        all ran, so its storages are given back, and this read's backward fills them again
+        (:class:`_GivenBack`)."""
+        node = outputs[0].grad_fn
+        last, state.recomputed = state.recomputed, None if node is None else _GivenBack(outputs)
+        if last is not None and node is not None:
+            last.give_back()
+            node.given_back = last
 
     def _per_block(self, state: DepthState) -> bool:
         """With ``recompute_reads``: whether this forward recomputes its reads per block (phase 1
@@ -543,7 +535,7 @@ class DepthRouter(Module):
         """At a completion point t: phase 1 for sites ``first``..(next end - 1) (default
         ``first`` = t, site 0 excluded), up to this module's last site; none when
         ``recompute_reads`` reads per site. Recomputed reads: through :class:`_RecomputedRead`
-        (its outputs keep no memory once its sites' sublayers ran, :meth:`wrote`)."""
+        (its outputs keep no memory once its sites' sublayers ran, :class:`_GivenBack`)."""
         if state.paired:  # the next even site
             nxt = min(t + 2 - t % 2, self.num_sublayers + 1, self.site_stop)
         else:
@@ -629,7 +621,7 @@ class DepthRouter(Module):
 
     def _recomputed_read(self, state: DepthState, t: int) -> torch.Tensor:
         """Site t's read (:meth:`_site_read`) through :class:`_RecomputedRead` (its output
-        keeps no memory once its sublayer ran, :meth:`wrote`)."""
+        keeps no memory once its sublayer ran, :class:`_GivenBack`)."""
         values, keys = self.sources(state)
         tensors = [*values, *(keys or []), self.query(t)]
         if state.partial is None and self.backend != "reference":  # a block end

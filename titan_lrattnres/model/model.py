@@ -218,7 +218,6 @@ class LRAttnResModel(Decoder):
         h, read = embedding, None
         for j, layer in enumerate(self.layers.values(), start=1):
             out = sublayer_fn(j, layer, h, read)
-            self.router.wrote(state, out)  # with AC: what the read made is rebuilt, not kept
             h, read = self.router.step(state, j, out)
             if on_read is not None:
                 on_read(j, state)

@@ -123,7 +123,6 @@ class LRAttnResStage(LRAttnResModel):
         read = None
         for key, layer in self.layers.items():
             out = layer(h, attention_masks, positions, read)
-            router.wrote(state, out)  # with AC: what the read made is rebuilt, not kept
             h, read = router.step(state, int(key) + 1, out)
         h = router.finish(h, read)
         if plan.send is None:
