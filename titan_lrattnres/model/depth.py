@@ -125,9 +125,16 @@ class _RecomputedRead(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        found = _RecomputedRead._gradients(ctx, grads)
+        # the read before this one, given back (_GivenBack): filled again once this read's own
+        # work is done and gone, before any sublayer reading it runs its backward
         given_back, ctx.given_back = ctx.given_back, None
-        if given_back is not None:  # the read before this one (_GivenBack)
+        if given_back is not None:
             given_back()
+        return found
+
+    @staticmethod
+    def _gradients(ctx, grads) -> tuple:
         outs = _RecomputedRead.rebuild(ctx)
         leaves, ctx.graph = ctx.graph[0], None
         needs = ctx.needs_input_grad[1:]
