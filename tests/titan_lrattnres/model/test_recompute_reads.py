@@ -110,6 +110,51 @@ def test_same_loss_and_gradients_and_no_h_kept(variant, blocks, ac):
 
 
 @pytest.mark.parametrize("ac", sorted(AC))
+@pytest.mark.parametrize("variant, blocks", CASES)
+def test_a_given_back_read_is_filled_again_before_a_sublayer_reading_it_runs_its_backward(
+    variant, blocks, ac
+):
+    """The next read's backward fills a given-back read again (``depth._GivenBack``), which
+    holds only if it runs before the backward of every sublayer reading that read: at each such
+    sublayer's output node, the read's storages hold their bytes again. (A sublayer reading a
+    freed storage would read freed memory.)"""
+    model = _model(variant, blocks, ac)
+    readers, start, run = [], model.router.start, model.run_depth
+    states = []
+
+    def starting(embedding):
+        states.append(start(embedding))
+        return states[-1]
+
+    def recording(embedding, fn, on_read=None):
+        def call(j, layer, h, read):
+            out = fn(j, layer, h, read)
+            given = states[-1].recomputed  # the read this sublayer's input came from
+            if given is not None:
+                node = (out[0] if isinstance(out, tuple) else out).grad_fn
+                readers.append(([StorageWeakRef(t.untyped_storage()) for t in given.outputs], node))
+            return out
+
+        return run(embedding, call, on_read)
+
+    model.router.start, model.run_depth = starting, recording
+    loss = _loss(model, _tokens())
+    # every sublayer reads a read made under AC, given back once the next read was made
+    assert len(readers) == 2 * FLAVOR.n_layers
+    assert all(_bytes(s) == 0 for storages, _ in readers for s in storages)
+    checked = []
+
+    def filled(storages):  # raised here, the backward stops before the sublayer's would run
+        assert all(map(_bytes, storages)), "a sublayer's backward reads a given-back read"
+        checked.append(storages)
+
+    for storages, node in readers:
+        node.register_prehook(lambda grads, s=storages: filled(s))
+    loss.backward()
+    assert len(checked) == len(readers)
+
+
+@pytest.mark.parametrize("ac", sorted(AC))
 @pytest.mark.parametrize("variant, blocks", [("sliced", 2), ("projected", None)])
 def test_a_partial_backward_the_same(variant, blocks, ac):
     """What the reads made, given back after the forward, is there again for a backward that
