@@ -100,12 +100,17 @@ class _RecomputedRead(torch.autograd.Function):
     backward, which runs the read again with autograd on, or takes the graph :meth:`rebuild`
     already made for the sublayers reading its outputs (one recomputation serves all). A
     ``read`` with a ``backward(inputs, outputs, grads)`` method (:class:`_BankRead`) is run
-    again without autograd instead, and its backward gives the inputs' gradients directly."""
+    again without autograd instead, and its backward gives the inputs' gradients directly; a
+    block's phase 1 (``read.split``) comes out as its c sites' outputs and LSEs, as from
+    :class:`_KeptRead`."""
 
     @staticmethod
     def forward(ctx, read, *inputs):
         ctx.read, ctx.graph, ctx.given_back = read, None, None
         ctx.save_for_backward(*inputs)
+        if getattr(read, "split", False):
+            ctx.set_materialize_grads(False)
+            return read.sites(*read(*inputs))
         return read(*inputs)
 
     @staticmethod
@@ -141,6 +146,8 @@ class _RecomputedRead(torch.autograd.Function):
         if leaves is None:  # the read's own backward (with a bank, the sums it holds too)
             if all(g is None for g in grads) and getattr(ctx.read, "bank", None) is None:
                 return None, *(None for _ in needs)
+            if getattr(ctx.read, "split", False):
+                grads = ctx.read.site_grads(grads, outs[1])
             found = ctx.read.backward(ctx.saved_tensors, outs, grads)
             return None, *(g if n else None for g, n in zip(found, needs, strict=True))
         outs = outs if isinstance(outs, tuple) else (outs,)
@@ -166,6 +173,7 @@ class _BankRead:
     keys), which the read holds itself instead of taking them in (:meth:`taken`)."""
 
     __slots__ = ("n", "c", "projected", "eps", "backend", "bank", "fresh", "held")
+    split = True  # its outputs go to the sublayers as the c sites' own tensors (:meth:`sites`)
 
     def __init__(
         self, n: int, c: int, projected: bool, eps: float | None, backend: str,
@@ -205,6 +213,23 @@ class _BankRead:
         values, keys, queries = self._split(tensors)
         return custom_ops.block_read(values, keys, queries, self.eps, backend=self.backend)
 
+    @staticmethod
+    def sites(out: torch.Tensor, lse: torch.Tensor) -> tuple:
+        """The read's ``(out, lse)`` as its c sites' outputs, then their LSEs (views): each
+        site's gradient then comes back where it lies, where ``out[i]`` would zero-fill and add
+        a whole ``[c, ..., d]`` buffer per site (autograd's backward of a view)."""
+        return (*out.unbind(0), *lse.unbind(0))
+
+    def site_grads(self, grads: tuple, lse: torch.Tensor) -> tuple:
+        """``(grad_out, grad_lse)`` for :meth:`backward` from the gradients of :meth:`sites`'
+        2c outputs (None: zero): the sites' list (None when all are), the LSEs' ``[c, ...]``."""
+        sites, lses = grads[: self.c], grads[self.c :]
+        grad_out = list(sites) if any(g is not None for g in sites) else None
+        grad_lse = None
+        if any(g is not None for g in lses):
+            grad_lse = torch.stack([torch.zeros_like(lse[0]) if g is None else g for g in lses])
+        return grad_out, grad_lse
+
     def backward(self, tensors, outputs, grads) -> tuple:
         """The inputs' gradients, given the outputs' ``grads`` (``(out [c, ..., d] or its c
         sites' list, lse [c, ...])``, None: zero) and the forward's ``outputs`` (its lse)."""
@@ -228,7 +253,8 @@ class _BankRead:
 class _KeptRead(torch.autograd.Function):
     """A block's phase 1 (a :class:`_BankRead`) run without autograd, keeping its inputs and
     LSEs for the backward, which is the read's own. Its c sites' outputs and LSEs come out as
-    separate tensors, and the backward reads each site's gradient where it lies."""
+    separate tensors (:meth:`_BankRead.sites`), and the backward reads each site's gradient
+    where it lies."""
 
     @staticmethod
     def forward(ctx, read, *inputs):
@@ -236,17 +262,13 @@ class _KeptRead(torch.autograd.Function):
         ctx.read = read
         ctx.save_for_backward(*inputs, lse)
         ctx.set_materialize_grads(False)
-        return (*out.unbind(0), *lse.unbind(0))
+        return read.sites(out, lse)
 
     @staticmethod
     def backward(ctx, *grads):
         *inputs, lse = ctx.saved_tensors
-        sites, lses = grads[: ctx.read.c], grads[ctx.read.c :]
-        grad_out = list(sites) if any(g is not None for g in sites) else None
-        grad_lse = None
-        if any(g is not None for g in lses):
-            grad_lse = torch.stack([torch.zeros_like(lse[0]) if g is None else g for g in lses])
-        return None, *ctx.read.backward(inputs, (None, lse), (grad_out, grad_lse))
+        found = ctx.read.backward(inputs, (None, lse), ctx.read.site_grads(grads, lse))
+        return None, *found
 
 
 class _SiteRead(_BankRead):
@@ -256,6 +278,7 @@ class _SiteRead(_BankRead):
     1/d of h)."""
 
     __slots__ = ("lse",)
+    split = False
 
     def __init__(
         self, n: int, projected: bool, eps: float | None, backend: str,
@@ -283,8 +306,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _GivenBack:
-    """The outputs of a :class:`_RecomputedRead` (h; a block's phase-1 ``(out, lse)``) from
-    the forward of the sublayers reading them to their backwards.
+    """The outputs of a :class:`_RecomputedRead` (h; a block's phase-1 ``(out, lse)``, which
+    its sites' views share) from the forward of the sublayers reading them to their backwards.
 
     Once they all ran, the next read takes this object (:meth:`DepthRouter._recomputed`):
     :meth:`give_back` frees the outputs' storages: the tensors, and every view of them those
@@ -298,10 +321,12 @@ class _GivenBack:
     outputs, not the rebuilt copies. (A Python pre-hook on the last sublayer's compiled node,
     which did this before, cost 1.4-1.9 % of a host-bound step under selective AC.)"""
 
-    __slots__ = ("outputs", "sizes")
+    __slots__ = ("node", "outputs", "sizes")
 
-    def __init__(self, outputs: tuple):
-        self.outputs = outputs
+    def __init__(self, node, outputs: tuple):
+        # the read's node; the tensors holding its outputs (a block's phase 1: the two its
+        # sites' views share)
+        self.node, self.outputs = node, outputs
         self.sizes = None  # the freed storages' bytes, while they are given back
 
     def give_back(self) -> None:
@@ -314,7 +339,7 @@ class _GivenBack:
         sizes, self.sizes = self.sizes, None
         if sizes is None:  # not given back, or filled again already
             return
-        ctx, outputs = self.outputs[0].grad_fn, self.outputs
+        ctx, outputs = self.node, self.outputs
         fresh = _RecomputedRead.rebuild(ctx)
         for t, f, n in zip(outputs, fresh if isinstance(fresh, tuple) else (fresh,), sizes):
             t, f = _local(t), _local(f)
@@ -421,12 +446,13 @@ class DepthRouter(Module):
         return state
 
     @staticmethod
-    def _recomputed(state: DepthState, outputs: tuple) -> None:
-        """``outputs`` of a new :class:`_RecomputedRead`: the sublayers reading the last one's
-        all ran, so its storages are given back, and this read's backward fills them again
+    def _recomputed(state: DepthState, node, outputs: tuple) -> None:
+        """A new :class:`_RecomputedRead` (``node``; None: no graph recorded) made ``outputs``
+        (h, or a block's phase-1 ``(out, lse)``): the sublayers reading the last one's all ran,
+        so its storages are given back, and this read's backward fills them again
         (:class:`_GivenBack`)."""
-        node = outputs[0].grad_fn
-        last, state.recomputed = state.recomputed, None if node is None else _GivenBack(outputs)
+        made = None if node is None else _GivenBack(node, outputs)
+        last, state.recomputed = state.recomputed, made
         if last is not None and node is not None:
             last.give_back()
             node.given_back = last
@@ -561,9 +587,9 @@ class DepthRouter(Module):
             read = _BankRead(n, c, self.projected, self.eps, self.backend, *bank, held)
             inputs += queries
         if self.recompute_reads:
-            out, lse = _RecomputedRead.apply(read, *inputs)
-            self._recomputed(state, (out, lse))
-            state.phase1 = (out.unbind(0), lse.unbind(0), first)
+            found, c = _RecomputedRead.apply(read, *inputs), len(queries)
+            self._recomputed(state, found[0].grad_fn, (found[0]._base, found[c]._base))
+            state.phase1 = (found[:c], found[c:], first)
             return
         if bank[0] is not None:
             found = _KeptRead.apply(read, *inputs)
@@ -638,7 +664,7 @@ class DepthRouter(Module):
         else:
             read = functools.partial(self._site_read, len(values))
         h = _RecomputedRead.apply(read, *tensors)
-        self._recomputed(state, (h,))
+        self._recomputed(state, h.grad_fn, (h,))
         return h
 
     def _site_read(self, n: int, *tensors: torch.Tensor) -> torch.Tensor:
