@@ -24,7 +24,10 @@ runs. ``--profile``: after the rounds, one profiled step per variant, its time b
 (``benchmarks.step_profile``). ``--ac none|selective|full``: torchtitan's activation
 checkpointing of every ``model.layers`` entry (the paper's configs train with selective).
 Variant ``torchtitan`` is torchtitan's own decoder of the same shape, the step a user would
-otherwise run; every table then gives each variant's ratio to it too.
+otherwise run; every table then gives each variant's ratio to it too. A name with ``:layer``
+(``baseline:layer``, ``block8:layer``) runs that model compiled in units of one layer instead of
+one sublayer (``benchmarks.layer_units``; without AC, Block source sets with an even number of
+sublayers per block): what the unit costs where a step is host work.
 """
 
 from __future__ import annotations
@@ -66,7 +69,11 @@ _NAME = re.compile(r"(attnres|sliced|projected)(\d+|full)(?:_r(\d+))?")
 
 
 def parse_variant(name: str) -> tuple[str, int | None, int]:
-    """``(variant, blocks or None, rank)`` of a variant name."""
+    """``(variant, blocks or None, rank)`` of a variant name (a ``:layer`` suffix: compiled in
+    units of one layer, ``benchmarks.layer_units``)."""
+    name, units = split_units(name)
+    if units and name == "torchtitan":
+        raise ValueError("torchtitan's decoder is compiled per layer already (no ':layer')")
     if name in VARIANTS:
         return VARIANTS[name]
     m = _NAME.fullmatch(name)
@@ -77,6 +84,14 @@ def parse_variant(name: str) -> tuple[str, int | None, int]:
         )
     blocks = None if m[2] == "full" else int(m[2])
     return m[1], blocks, int(m[3] or 0)
+
+
+def split_units(name: str) -> tuple[str, bool]:
+    """``(name, per layer)``: ``"block8:layer"`` is ``block8`` compiled in units of one layer."""
+    base, sep, units = name.partition(":")
+    if sep and units != "layer":
+        raise ValueError(f"unknown unit {units!r} in {name!r}: the one suffix is ':layer'")
+    return base, bool(sep)
 
 
 DEFAULT_VARIANTS = tuple(VARIANTS)
@@ -132,6 +147,9 @@ def build(
     from titan_lrattnres.model.registry import Flavor, build_model_config
 
     variant, blocks, rank = parse_variant(name)
+    per_layer = split_units(name)[1]
+    if per_layer and ac != "none":
+        raise ValueError(f"{name}: layer units run without activation checkpointing only")
     titan = variant == "torchtitan"
     variant = "baseline" if titan else variant
     flavor = Flavor(
@@ -157,7 +175,11 @@ def build(
             param.data = param.data.to(dtype)
     model.train()
     apply_ac(model, ac)
-    if compile_:
+    if per_layer:
+        from benchmarks.layer_units import per_layer as layer_units
+
+        layer_units(model, compile_)
+    elif compile_:
         _own_graphs(model)
 
         class _Dims:  # the one attribute apply_compile reads from ParallelDims
@@ -394,8 +416,9 @@ def measure(
 
 
 def table(result: dict) -> str:
+    w = max([16, *(len(n) + 2 for n in result if not n.startswith("_"))])
     lines = [
-        f"{'variant':<16}{'(variant, blocks, r)':<26}{'median step s':>14}{'overhead':>10}"
+        f"{'variant':<{w}}{'(variant, blocks, r)':<26}{'median step s':>14}{'overhead':>10}"
         f"{'95% interval':>18}{'range':>18}{'rounds for +-2':>15}{'tokens/s':>11}"
         f"{'vs torchtitan':>15}{'95% interval':>18}",
     ]
@@ -410,7 +433,7 @@ def table(result: dict) -> str:
             tt_ci = "[{:+.1f}, {:+.1f}]".format(*r["ci95_overhead_vs_torchtitan_pct"])
             titan = f"{r['median_overhead_vs_torchtitan_pct']:>+14.1f}%{tt_ci:>18}"
         lines.append(
-            f"{name:<16}{str(tuple(r['variant'])):<26}{r['median_step_s']:>14.4f}"
+            f"{name:<{w}}{str(tuple(r['variant'])):<26}{r['median_step_s']:>14.4f}"
             f"{r['median_overhead_pct']:>+9.1f}%"
             f"{ci:>18}{span:>18}{'-' if need is None else need:>15}"
             f"{r['tokens_per_s']:>11.0f}{titan}"
@@ -480,7 +503,10 @@ def main(argv=None) -> int:
         help="CPU: leave glibc's allocator as it is (default: the trainer's CPU setting, "
         "titan_lrattnres.training.cpu.keep_freed_memory)",
     )
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    p.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS),
+        help="comma-separated; a ':layer' suffix compiles that model in units of one layer",
+    )  # fmt: skip
     p.add_argument(
         "--profile", action="store_true",
         help="after the rounds, one profiled step per variant: its time by class of work",
