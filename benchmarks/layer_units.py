@@ -10,9 +10,10 @@ names. The numbers are the model's own (the same sublayers, router and reads; te
 Where it applies: the plain residual, and Block source sets whose block ends all fall after an
 MLP sublayer (an even number of sublayers per block; then the read between a layer's two
 sublayers is always a merge with the partial the attention wrote), on the fused backends,
-without activation checkpointing, on plain tensors (no tensor parallel). Full (read in pairs)
-and the rest are refused with a one-line error: each would need the router's bookkeeping
-between the two sublayers, which a compiled unit does not run.
+without activation checkpointing, on plain tensors (no tensor parallel). The rest is refused
+with a one-line error: Full (read in pairs) and a block end between a layer's two sublayers
+would need the router's bookkeeping (a phase-1 read) between them, which a compiled unit does
+not run; activation checkpointing and the reference backend are not tried this way.
 """
 
 from __future__ import annotations
