@@ -19,7 +19,7 @@ def trained(variant, blocks, depth_backend="reference", steps=3, seed=0, vocab_s
         loss.backward()
         opt.step()
     if variant != "baseline" and steps:
-        assert any(q.abs().max() > 0 for q in model.router.query_params())  # no longer uniform
+        assert any(q.abs().max() > 0 for q in model.depth_queries())  # no longer uniform
     return model.eval(), args
 
 

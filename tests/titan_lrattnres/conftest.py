@@ -25,7 +25,7 @@ def build():
             # zero-initialised queries make every read a plain mean; test real routing too.
             # std 1.5/sqrt(r) keeps logits O(1) (|RMSNorm(k)|² = r): sharp but well-conditioned.
             with torch.no_grad():
-                for q in model.router.query_params():
+                for q in model.depth_queries():
                     q.normal_(0, 1.5 / q.shape[-1] ** 0.5)
         for p in model.parameters():
             p.data = p.data.to(dtype)

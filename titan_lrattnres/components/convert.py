@@ -30,7 +30,6 @@ from pathlib import Path
 import torch
 
 from titan_lrattnres.components import integrity
-from titan_lrattnres.model.depth import query_name
 
 OLD = "router.query_bank"
 BACKUP_SUFFIX = ".query_bank"
@@ -70,7 +69,7 @@ def split_queries(state: dict, sites: int) -> dict:
                 raise ValueError(f"{key}: {tuple(value.shape)} has no {sites} query rows")
             for t in range(1, sites + 1):
                 v = value[t - 1] if rows else value
-                new = key.replace(OLD, f"router.{query_name(t)}")
+                new = key.replace(OLD, f"router.query_{t}")
                 out[new] = v.clone() if isinstance(v, torch.Tensor) else v
         else:
             out[key] = value

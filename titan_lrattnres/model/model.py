@@ -1,116 +1,144 @@
-"""LR-AttnRes decoder: 2L residual-writing sublayers and a depth router between them.
+"""LR-AttnRes decoder: L layers, each one unit with the depth reads that feed its sublayers.
 
-``model.layers`` holds the M = 2L sublayers (``"0"`` = attention of layer 1, ``"1"`` = its MLP,
-...), so torchtitan's per-unit activation checkpointing, ``compile(fullgraph=True)`` and FSDP2
-apply to each sublayer with one fixed signature. ``Decoder.forward`` is replaced by the depth
-loop: ``h_t`` = read of site t; sublayer t+1 consumes ``RMSNorm(h_t)``; the final read goes
-through the final RMSNorm and the LM head (docs/method.md §1). Parallelism: FSDP2 / HSDP, tensor
-parallel with or without sequence parallel, and both together (layouts:
-``titan_lrattnres.parallel.sharding``); pipeline parallel (stages, the cross-stage source cache:
-``titan_lrattnres.parallel.pipeline``); context parallel with FlexAttention
-(``titan_lrattnres.parallel.context``).
+``model.layers`` holds L :class:`Layer` modules, as torchtitan's decoder holds its transformer
+blocks, so torchtitan's per-block activation checkpointing, ``compile(fullgraph=True)`` and
+FSDP2 apply to each layer. A layer takes the stream ``(h, sources, keys, partial, partial_key)``
+and gives it back, with every depth read of its two sites inside its own graph
+(``titan_lrattnres.model.depth``). Parallelism: FSDP2 / HSDP, tensor parallel with or without
+sequence parallel (``titan_lrattnres.parallel.sharding``); pipeline parallel (stages cut between
+layers, the cross-stage source cache: ``titan_lrattnres.parallel.pipeline``); context parallel
+with FlexAttention (``titan_lrattnres.parallel.context``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import nn
-from torchtitan.models.common.attention import AttentionMasksType, GQAttention
-from torchtitan.models.common.decoder import Decoder
-from torchtitan.models.common.feed_forward import FeedForward
+from torchtitan.models.common.attention import AttentionMasksType
+from torchtitan.models.common.decoder import Decoder, TransformerBlock
 from torchtitan.models.common.linear import Linear
-from torchtitan.models.common.nn_modules import RMSNorm
 from torchtitan.models.utils import get_dense_model_nparams_and_flops
-from torchtitan.protocols.module import Module
 
+from custom_ops.ops import own_code
 from custom_ops.reference import key_rmsnorm
-from titan_lrattnres.model.depth import DepthRouter, finish_read
+from titan_lrattnres.model.depth import DepthPlan, LayerPlan, completed_read, site_read
 from titan_lrattnres.model.flops import routing_flops
 
+# What flows from layer to layer: h, the completed sources (the embedding, then block sums or,
+# for Full, every output), their keys (projected; else None: sliced tails), the running partial
+# and its key. The baseline's stream is h alone (the rest None).
+Stream = tuple
 
-class Sublayer(Module):
-    """One residual-writing sublayer j: ``o_j = F_j(RMSNorm(h_{j-1}))``.
+# One forward function per layer plan, shared by every model (see Layer.__init__)
+_FORWARDS: dict[tuple, Callable] = {}
 
-    For the projected variant the output projection has d + r rows, one weight ``[W^O; W^K]``;
-    ``o_j`` comes with ``RMSNorm(k_j)``, the key normalised at emission (fp32).
 
-    What goes in and out, so that the depth machinery between two sublayers runs inside this
-    sublayer's compiled graph (docs/performance.md):
+class Layer(TransformerBlock):
+    """Layer i: attention (sublayer 2i+1), MLP (sublayer 2i+2) and the reads of sites 2i+1 (the
+    MLP's input) and 2i+2 (the next layer's input; the last layer's is the final read).
 
-    - ``read`` None: ``h`` is ``h_{j-1}``. Else ``h`` is site j-1's phase-1 read ``out1`` (fp32)
-      and ``read = (lse1, partial, partial_key, query, backend, dtype, add)`` what finishes
-      it (:meth:`read_input`): its phase-2 merge with the partial, or (partial None: a block
-      end) the cast to the activations' ``dtype``. h_{j-1} is made here, where the compiler
-      fuses it with the norm, and a checkpoint keeps the phase-1 read, not h.
-    - returns ``h_{j-1} + o_j`` for the plain residual (``residual``); ``partial + o_j`` (and
-      ``partial_key + k_j``) when ``read`` says to ``add`` (Block: the running partial); else
-      ``o_j`` (and k_j; Full's pairs merge sublayer j-1's output in as the partial, but o_j
-      is a source of its own).
+    ``forward(h, values, keys, partial, partial_key, attention_masks, positions)`` returns
+    ``(h, new_values, new_keys, partial, partial_key)``: h_{2i+2}, the sources the layer
+    completed (and their keys), and the running partial after it. The baseline adds its
+    sublayers' outputs to h, as torchtitan's block does, and returns the same tuple with the
+    rest empty. ``queries [2, r]`` (fp32, zero-initialised) are the two sites' queries.
+
+    For the projected variant each output projection has d + r rows, one weight ``[W^O; W^K]``;
+    the key is normalised at emission (fp32), and a block's key is the sum of its members'.
+
+    Each distinct plan (sources in, partial in, block ends) runs its own copy of ``forward``
+    (its own code object), shared by all layers and models with that plan: dynamo keeps one
+    set of graphs per code object, so a deep Full model, or several models in one process,
+    never exhaust one function's recompile limit.
     """
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Module.Config):
+    class Config(TransformerBlock.Config):
         dim: int
-        norm: RMSNorm.Config
-        attention: GQAttention.Config | None = None
-        feed_forward: FeedForward.Config | None = None
+        depth: DepthPlan
+        index: int  # i, 0-based
         key_rank: int = 0  # r extra output rows (projected); 0 = none
-        key_eps: float | None = None
-        residual: bool = False  # the baseline: the sublayer adds its input to its output
 
     def __init__(self, config: Config):
         super().__init__()
-        if (config.attention is None) == (config.feed_forward is None):
-            raise ValueError("a Sublayer has exactly one of attention / feed_forward")
         self.dim = config.dim
         self.key_rank = config.key_rank
-        self.key_eps = config.key_eps
-        self.residual = config.residual
-        self.norm = config.norm.build()
-        self.attention = config.attention.build() if config.attention is not None else None
-        self.feed_forward = config.feed_forward.build() if config.feed_forward is not None else None
+        depth = config.depth
+        self.plan: LayerPlan | None = depth.layer(config.index) if depth.routed else None
+        self.residual = not depth.routed
+        self.eps, self.backend = depth.eps, depth.backend
+        self.attention = config.attention.build()
+        self.feed_forward = config.feed_forward.build()
+        self.attention_norm = config.attention_norm.build()
+        self.ffn_norm = config.ffn_norm.build()
+        if depth.routed:
+            self.queries = nn.Parameter(torch.zeros(2, depth.rank, dtype=torch.float32))
+            self.ends = self.plan.ends
+            self.sites = self.plan.sites
+        key = ("baseline",) if self.plan is None else (
+            depth.variant, self.plan.sources, self.plan.partial_in, self.plan.ends
+        )  # fmt: skip
+        if key not in _FORWARDS:
+            _FORWARDS[key] = own_code(Layer.forward)
+        self.forward = types.MethodType(_FORWARDS[key], self)
 
     def forward(
         self,
         h: torch.Tensor,
-        attention_masks: AttentionMasksType | None,
+        values: list[torch.Tensor] | None = None,
+        keys: list[torch.Tensor] | None = None,
+        partial: torch.Tensor | None = None,
+        partial_key: torch.Tensor | None = None,
+        attention_masks: AttentionMasksType | None = None,
         positions: torch.Tensor | None = None,
-        read: tuple | None = None,
     ):
-        h = self.read_input(h, read)
-        x = self.norm(h)
-        if self.attention is not None:
-            y = self.attention(x, attention_masks, positions)
-        else:
-            y = self.feed_forward(x)
-        return self.write(h, y, read)
+        def attend(x):
+            return self.attention(x, attention_masks, positions)
 
-    def read_input(self, h: torch.Tensor, read: tuple | None) -> torch.Tensor:
-        """``h_{j-1}``: ``h`` itself, or the phase-1 read ``h`` finished as ``read`` says
-        (``depth.finish_read``: cast, or merged with the partial; compiled, fused with the norm
-        that follows)."""
-        return h if read is None else finish_read(h, read, self.key_eps)
+        return self.run(attend, h, values, keys, partial, partial_key)
 
-    def write(self, h: torch.Tensor, y: torch.Tensor, read: tuple | None = None):
-        """What the sublayer hands on, from its input ``h`` and its output projection's result
-        ``y [..., d (+ r)]`` (see the class docstring). Always contiguous: a compiled backward
-        then gets its tangent in the layout it expects (a column slice of ``[W^O; W^K]`` would
-        make AOTAutograd copy every incoming gradient into that slice's strides)."""
+    def run(self, attend, h, values, keys, partial, partial_key, on_read=None):
+        """The layer with ``attend(x)`` as its attention (cached decoding passes its own).
+        ``on_read(t, values, keys, query)``, if given, sees each site's whole source set."""
         if self.residual:
-            return h + y
-        k = None
-        if self.key_rank:
-            y, k = y.split([self.dim, self.key_rank], dim=-1)
-            k = key_rmsnorm(k, self.key_eps)
-        if read is not None and read[6]:
-            y, k = read[1] + y, None if k is None else read[2] + k
-        else:
-            y = y.contiguous()
-        return y if k is None else (y, k)
+            h = h + attend(self.attention_norm(h))
+            return h + self.feed_forward(self.ffn_norm(h)), (), (), None, None
+        out1, lse1 = completed_read(values, keys, self.queries, self.eps, self.backend)
+        new_values, new_keys = [], []
+        sublayers = ((attend, self.attention_norm), (self.feed_forward, self.ffn_norm))
+        for s, (sublayer, norm) in enumerate(sublayers):
+            o, k = self.emit(sublayer(norm(h)))
+            if partial is None:
+                partial, partial_key = o, k
+            else:
+                partial = partial + o
+                partial_key = None if k is None else partial_key + k
+            extras = [*new_values, partial]
+            extra_keys = None if k is None else [*new_keys, partial_key]
+            if self.ends[s]:
+                new_values.append(partial)
+                new_keys.append(partial_key)
+                partial = partial_key = None
+            query = self.queries[s]
+            if on_read is not None:
+                all_keys = None if keys is None else [*keys, *extra_keys]
+                on_read(self.sites[s], [*values, *extras], all_keys, query)
+            h = site_read(out1[s], lse1[s], extras, extra_keys, query, self.eps, h.dtype)
+        return h, new_values, new_keys if self.key_rank else (), partial, partial_key
+
+    def emit(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(o, k)`` from an output projection's result ``y [..., d (+ r)]``: the key
+        normalised at emission (fp32), None unless projected."""
+        if not self.key_rank:
+            return y, None
+        o, k = y.split([self.dim, self.key_rank], dim=-1)
+        return o, key_rmsnorm(k, self.eps)
 
 
 # Logit of a padded vocabulary row: finite (0 * mask = 0 in entropy-style sums, where -inf would
@@ -159,8 +187,9 @@ class LRAttnResModel(Decoder):
 
     @dataclass(kw_only=True, slots=True)
     class Config(Decoder.Config):
-        router: DepthRouter.Config
+        router: DepthPlan
         hidden_dim: int
+        embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
 
         # The parallel layer's checks and sharding declarations for a trainer config
         # (``titan_lrattnres.parallel.sharding.configure_parallelism``), called as
@@ -176,8 +205,6 @@ class LRAttnResModel(Decoder):
                     "LRAttnResModel.Config.configure_parallelism is not set: build the model "
                     "config through titan_lrattnres.model_registry (titan_lrattnres.spec)"
                 )
-            # with activation checkpointing the reads keep no phase-1 output either
-            self.router.recompute_reads = getattr(config, "activation_checkpoint", None) is not None
             configure(self, config)
 
         def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
@@ -202,26 +229,50 @@ class LRAttnResModel(Decoder):
 
         @property
         def num_layers(self) -> int:
-            return len(self.layers) // 2
+            return len(self.layers)
 
     def __init__(self, config: Config):
         super().__init__(config)
         self.vocab_size = config.vocab_size  # real vocabulary (the head may have padded rows)
-        self.router = config.router.build()
+        self.router = config.router
+        self.embedding_key = (
+            config.embedding_key.build() if config.embedding_key is not None else None
+        )
 
-    def run_depth(self, embedding: torch.Tensor, sublayer_fn, on_read=None) -> torch.Tensor:
-        """The depth loop: site 0 is the embedding; sublayer j writes ``sublayer_fn(j, layer,
-        h, read)`` (``Sublayer.forward``'s input: h_{j-1}, or its read to finish) and site j
-        reads. ``on_read(j, state)`` sees every site's sources. Shared by
-        ``forward``, cached decoding and the routing analysis. Returns ``h_M``."""
-        state = self.router.start(embedding)
-        h, read = embedding, None
-        for j, layer in enumerate(self.layers.values(), start=1):
-            out = sublayer_fn(j, layer, h, read)
-            h, read = self.router.step(state, j, out)
-            if on_read is not None:
-                on_read(j, state)
-        return self.router.finish(h, read)
+    def depth_queries(self) -> list[nn.Parameter]:
+        """Every layer's ``queries [2, r]``, in layer order (none for the baseline)."""
+        return [layer.queries for layer in self.layers.values() if hasattr(layer, "queries")]
+
+    def set_depth_backend(self, backend: str) -> None:
+        """Run the depth reads with ``backend`` (one of ``custom_ops.BACKENDS``) from now on:
+        the same weights, another way of computing phase 1."""
+        self.router = dataclasses.replace(self.router, backend=backend)
+        for layer in self.layers.values():
+            layer.backend = backend
+
+    def start(self, embedding: torch.Tensor) -> Stream:
+        """Site 0: the stream before layer 0 (its read is the identity)."""
+        if not self.router.routed:
+            return embedding, None, None, None, None
+        keys = None
+        if self.embedding_key is not None:
+            keys = [key_rmsnorm(self.embedding_key(embedding), self.router.eps)]
+        return embedding, [embedding], keys, None, None
+
+    def run_layers(self, stream: Stream, call=None) -> Stream:
+        """The depth loop over ``self.layers``: ``call(layer, *stream)`` (default: the layer
+        itself) gives each layer's output; the completed sources are appended. Shared by the
+        forward, pipeline stages, cached decoding and the routing analysis."""
+        h, values, keys, partial, partial_key = stream
+        for layer in self.layers.values():
+            args = (h, values, keys, partial, partial_key)
+            h, new_values, new_keys, partial, partial_key = (
+                layer(*args) if call is None else call(layer, *args)
+            )
+            if new_values:
+                values = [*values, *new_values]
+                keys = None if keys is None else [*keys, *new_keys]
+        return h, values, keys, partial, partial_key
 
     def forward(
         self,
@@ -229,10 +280,10 @@ class LRAttnResModel(Decoder):
         positions: torch.Tensor | None = None,
         attention_masks: AttentionMasksType | None = None,
     ):
-        h = self.run_depth(
-            self.tok_embeddings(tokens),
-            lambda j, layer, h, read: layer(h, attention_masks, positions, read),
-        )
+        def call(layer, *stream):
+            return layer(*stream, attention_masks, positions)
+
+        h = self.run_layers(self.start(self.tok_embeddings(tokens)), call)[0]
         h = self.norm(h)
         if self._skip_lm_head:
             return h

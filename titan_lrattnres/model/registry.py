@@ -22,9 +22,9 @@ from torchtitan.models.common.config_utils import (
 
 from custom_ops import BACKENDS
 from custom_ops.schedule import check_schedule
-from titan_lrattnres.model.depth import DepthRouter, query_names
+from titan_lrattnres.model.depth import DepthPlan
 from titan_lrattnres.model.flops import VARIANTS
-from titan_lrattnres.model.model import LRAttnResModel, Sublayer, VocabHead
+from titan_lrattnres.model.model import Layer, LRAttnResModel, VocabHead
 
 
 @dataclass(frozen=True)
@@ -202,9 +202,19 @@ def build_model_config(
         return RMSNorm.Config(normalized_shape=d, elementwise_affine=False)
 
     rope = ComplexRoPE.Config(dim=head_dim, max_seq_len=flavor.max_seq_len, theta=500000.0)
-    sublayer = dict(key_rank=key_rank, key_eps=eps, residual=variant == "baseline")
+    plan = DepthPlan(
+        variant=variant,
+        dim=d,
+        rank=r,
+        num_sublayers=m,
+        blocks=blocks,
+        block_layers=block_layers,
+        eps=eps,
+        backend=depth_backend,
+    )
+    queries = {"queries": nn.init.zeros_} if plan.routed else {}  # uniform reads
     layers = []
-    for _ in range(n_layers):
+    for i in range(n_layers):
         attention = make_gqa_config(
             dim=d,
             n_heads=flavor.n_heads,
@@ -223,24 +233,19 @@ def build_model_config(
             ffn.w2 = Linear.Config(
                 in_features=flavor.hidden_dim, out_features=d + key_rank, param_init=_INIT
             )
-        layers.append(Sublayer.Config(dim=d, norm=norm(), attention=attention, **sublayer))
-        layers.append(Sublayer.Config(dim=d, norm=norm(), feed_forward=ffn, **sublayer))
-    router = DepthRouter.Config(
-        variant=variant,
-        dim=d,
-        rank=r,
-        num_sublayers=m,
-        blocks=blocks,
-        block_layers=block_layers,
-        eps=eps,
-        backend=depth_backend,
-        param_init=dict.fromkeys(query_names(m), nn.init.zeros_),  # uniform reads
-        embedding_key=(
-            Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
-            if variant == "projected"
-            else None
-        ),
-    )
+        layers.append(
+            Layer.Config(
+                dim=d,
+                depth=plan,
+                index=i,
+                key_rank=key_rank,
+                attention=attention,
+                feed_forward=ffn,
+                attention_norm=norm(),
+                ffn_norm=norm(),
+                param_init=dict(queries),
+            )
+        )
     return LRAttnResModel.Config(
         dim=d,
         vocab_size=vocab,
@@ -251,5 +256,10 @@ def build_model_config(
             in_features=d, out_features=rows, vocab_size=vocab, param_init=_INIT
         ),
         layers=layers,
-        router=router,
+        router=plan,
+        embedding_key=(
+            Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
+            if variant == "projected"
+            else None
+        ),
     )
