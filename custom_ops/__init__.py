@@ -9,12 +9,10 @@ from custom_ops.api import (
     depth_read_lse,
     merge_partial,
 )
-from custom_ops.bank import SourceBank
 from custom_ops.reference import depth_read as reference_depth_read
 
 __all__ = [
     "BACKENDS",
-    "SourceBank",
     "block_read",
     "block_read_backward",
     "depth_read",

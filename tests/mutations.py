@@ -45,17 +45,19 @@ REF, C, TRITON = (
     "custom_ops/cpu/depth_read.c",
     "custom_ops/kernels/merge.py",
 )
-PARTIAL = "    return custom_ops.merge_partial(h, lse1, partial,"
-STEP = "h, read = self.router.step(state, j, out)"
+EXTRAS = "extras = [*new_values, partial]"
+SITE = "h = site_read(out1[s], lse1[s], extras, extra_keys, query, self.eps, h.dtype)"
 
 # name -> [(file, old, new)]; each old text must occur exactly once in its file
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
     "drop the partial": [
-        (DEPTH, "if state.partial is not None:\n            values", "if 0:\n            values"),
-        (DEPTH, PARTIAL, PARTIAL.replace("return ", "return h.to(partial.dtype) if 1 else ")),
+        (DEPTH, "return reference.merge_reads(out1, lse1, out2, lse2)[0]", "return out1"),
+    ],
+    "a block completed inside the layer left out": [
+        (MODEL, EXTRAS, "extras = [partial]"),
     ],
     "addition instead of replacement": [
-        (MODEL, STEP, STEP + "; h = h + (out[0] if isinstance(out, tuple) else out)"),
+        (MODEL, SITE, SITE + "\n            h = h + o"),
     ],
     "wrong block end (floor)": [
         (
@@ -82,7 +84,7 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         ),
     ],
     "P-LR key not normalised at emission": [
-        (MODEL, "k = key_rmsnorm(k, self.key_eps)", "k = k.float()"),
+        (MODEL, "return o, key_rmsnorm(k, self.eps)", "return o, k.float()"),
     ],
     "S-LR head instead of tail": [
         (

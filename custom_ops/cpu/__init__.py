@@ -5,9 +5,7 @@ its rows, on the OpenMP runtime torch has loaded (checked at load), sharing its 
 function returns None when it cannot serve a call (another dtype or device, no compiler, a refused
 library): the caller runs the composite. C is reached through ``call``: arguments by name in the
 order of ``SIGNATURES`` (checked against the C definitions at load), every address taken from a
-checked fp32 CPU tensor, so that a slip raises instead of corrupting memory. A bank's phase-1
-reads (``SourceTables``) call the read kernels directly, their sources checked once when they
-joined the bank, every other tensor checked or made at the call.
+checked fp32 CPU tensor, so that a slip raises instead of corrupting memory.
 """
 
 from __future__ import annotations
@@ -27,14 +25,12 @@ from pathlib import Path
 import torch
 
 from custom_ops.cpu.calls import (
-    _I,
-    _P,
     SIGNATURES,
     At,
     call,
     check_signatures,
 )
-from custom_ops.layout import PLAIN_TYPES, rows
+from custom_ops.layout import rows
 from custom_ops.reference import DEFAULT_EPS
 
 # LRATTNRES_CPU_KERNELS=0 (or ENABLED = False): every call left to the composite
@@ -264,140 +260,6 @@ def read_bwd(
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
          acc=int(accumulate), dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
-
-
-class SourceTables:
-    """The read kernels' view of a bank of sources (``custom_ops.bank.SourceBank``): values
-    of one shape ``[..., d]`` (projected keys ``[..., r]``), fp32 CPU plain contiguous tensors,
-    each checked once, when it joins the bank (:meth:`fits`). A read of the first n then calls
-    the kernel directly, not through ``call``: the sources' addresses as they are, and every
-    other address from a buffer made here, a gradient sum the bank made like its sources, or a
-    tensor checked here (:func:`_flat_f32`). Through ``call`` a read checked every argument by
-    name, a third of a phase-1 read's host time at a host-bound shape; a read of every source so
-    far at every site (Full) checked O(L²) tensors a step."""
-
-    __slots__ = ("shape", "key_shape", "rows", "_strides")
-
-    def __init__(self, value: torch.Tensor, key: torch.Tensor | None):
-        self.shape = value.shape
-        self.key_shape = None if key is None else key.shape
-        self.rows = value.numel() // value.shape[-1] if value.shape[-1] else 0
-        self._strides: dict = {}  # (count, row stride): its ctypes table
-
-    @staticmethod
-    def _plain(x, shape) -> bool:
-        return (x.__class__ in PLAIN_TYPES and x.dtype == _F32
-                and x.is_cpu and x.is_contiguous() and x.shape == shape)  # fmt: skip
-
-    def fits(self, value: torch.Tensor, key: torch.Tensor | None) -> bool:
-        """Whether the kernels can read this source (and its key) in place, as one of these."""
-        if not (self.shape[-1] and value.numel() and self._plain(value, self.shape)):
-            return False
-        if key is None:
-            return self.key_shape is None
-        return (
-            self.key_shape is not None and self.key_shape[-1] and self._plain(key, self.key_shape)
-        )
-
-    def _rank(self, queries) -> int | None:
-        """r of ``queries [c, r]`` when the kernels can take them with these sources (fp32 CPU
-        plain contiguous; r the keys' width, or sliced at most d), else None."""
-        q = queries
-        if not (q.__class__ in PLAIN_TYPES and q.dtype == _F32 and q.is_cpu and q.dim() == 2
-                and q.shape[0] and q.is_contiguous()):  # fmt: skip
-            return None
-        r = q.shape[1]
-        ok = r == self.key_shape[-1] if self.key_shape is not None else 0 < r <= self.shape[-1]
-        return r if ok else None
-
-    def _table(self, tensors: list, n: int, width: int) -> tuple:
-        """``(addresses, row strides)`` of the first n of ``tensors`` (sources that fit)."""
-        strides = self._strides.get((n, width))
-        if strides is None:
-            strides = self._strides[n, width] = (_I * n)(*[width] * n)
-        return _addresses(tensors[:n]), strides
-
-    def _sources(self, values: list, keys: list | None) -> tuple:
-        n, d = len(values), self.shape[-1]
-        if keys is not None and len(keys) != n:
-            raise ValueError(f"{n} sources but {len(keys)} keys")
-        vp, vs = self._table(values, n, d)
-        kp, ks = (vp, vs) if keys is None else self._table(keys, n, self.key_shape[-1])
-        return vp, vs, kp, ks
-
-    def read_fwd(self, values: list, keys: list | None, queries: torch.Tensor, eps: float):
-        """:func:`read_fwd` of the bank's sources ``values`` (``keys``), each of which passed
-        :meth:`fits`; None when the kernels cannot take ``queries`` (the bank calls the op)."""
-        r = self._rank(queries)
-        if r is None or not ENABLED or (lib := library()) is None:
-            return None
-        c, n, d = queries.shape[0], self.rows, self.shape[-1]
-        out, lse = _empty((c, *self.shape)), _empty((c, *self.shape[:-1]))
-        lib.read_fwd(len(values), c, n, d, r, int(keys is None), *self._sources(values, keys),
-                     queries.data_ptr(), float(eps), out.data_ptr(), lse.data_ptr(),
-                     _threads(n))  # fmt: skip
-        return out, lse
-
-    def read_bwd(self, values, keys, queries, lse, grad_out, grad_lse, eps, sums, key_sums, add):
-        """:func:`read_bwd` of the bank's sources into its fp32 ``sums`` (``key_sums``:
-        projected; made by the bank like its sources), written or added to (``add``). Returns
-        the queries' gradient ``[c, r]`` fp32, or None when the kernels cannot take the call's
-        tensors (the bank then calls the op)."""
-        r = self._rank(queries)
-        if r is None or not ENABLED or (lib := library()) is None:
-            return None
-        c, n, d = queries.shape[0], self.rows, self.shape[-1]
-        keep = []  # what the addresses point into, alive until the call returns
-        lse, dlse = _flat_f32(lse, c * n, keep), _flat_f32(grad_lse, c * n, keep)
-        dout = _site_rows(grad_out, c, n * d, keep)
-        if lse is None or lse is False or dlse is False or dout is False:
-            return None
-        s = len(values)
-        if len(sums) != s or (key_sums is None) != (keys is None) or len(key_sums or sums) != s:
-            raise ValueError(f"{s} sources need {s} gradient sums (and {s} key sums if keyed)")
-        gv = _addresses(sums)
-        gk = gv if key_sums is None else _addresses(key_sums)
-        dq = _empty((c, r))
-        lib.read_bwd(s, c, n, d, r, int(keys is None), *self._sources(values, keys),
-                     queries.data_ptr(), float(eps), lse, dout, dlse, gv, gk, int(add),
-                     dq.data_ptr(), _threads(n))  # fmt: skip
-        return dq
-
-
-def _addresses(tensors) -> ctypes.Array:
-    """The ctypes table of ``tensors``' addresses."""
-    return (_P * len(tensors))(*[x.data_ptr() for x in tensors])
-
-
-def _flat_f32(x, size: int, keep: list):
-    """The address of ``x``'s ``size`` elements, fp32 CPU, row-major (a copy kept in ``keep``
-    when x is strided): None for None, False when x is no fp32 CPU plain tensor (the caller
-    leaves the call to the op); a ValueError, in one line, for another number of elements."""
-    if x is None:
-        return None
-    if not (x.__class__ in PLAIN_TYPES and x.dtype == _F32 and x.is_cpu):
-        return False
-    if x.numel() != size:
-        raise ValueError(f"a read kernel argument of {x.numel()} elements, where it takes {size}")
-    if not x.is_contiguous():
-        x = x.contiguous()
-        keep.append(x)
-    return x.data_ptr()
-
-
-def _site_rows(grad_out, c: int, size: int, keep: list):
-    """The table of each site's ``size``-element gradient (``grad_out``: ``[c, ..., d]`` or c
-    tensors, None entries: zero; None: no gradient at all), as :func:`_flat_f32` checks them:
-    None, the table, or False."""
-    if grad_out is None:
-        return None
-    if isinstance(grad_out, torch.Tensor):
-        base = _flat_f32(grad_out, c * size, keep)
-        return base if base is False else (_P * c)(*[base + 4 * size * i for i in range(c)])
-    if len(grad_out) != c:
-        raise ValueError(f"{len(grad_out)} sites' gradients for a read of {c} queries")
-    found = [_flat_f32(g, size, keep) for g in grad_out]
-    return False if any(x is False for x in found) else (_P * c)(*found)
 
 
 def _merge_inputs(out1, partial_value, partial_key, rank) -> tuple:

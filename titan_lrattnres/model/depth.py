@@ -19,7 +19,6 @@ layers complete what when the model is built).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
@@ -73,15 +72,15 @@ class DepthPlan:
     def num_layers(self) -> int:
         return self.num_sublayers // 2
 
-    @cached_property
-    def ends(self) -> tuple[int, ...]:
+    @property
+    def ends(self) -> list[int]:
         """Block ends in sublayer units (``custom_ops.schedule``)."""
-        return tuple(schedule_ends(self.num_sublayers, self.blocks, self.block_layers))
+        return schedule_ends(self.num_sublayers, self.blocks, self.block_layers)
 
     def layer(self, i: int) -> LayerPlan:
         """Layer i's part of the schedule."""
         ends = set(self.ends)
-        before = sum(1 for e in self.ends if e <= 2 * i)
+        before = sum(1 for e in ends if e <= 2 * i)
         return LayerPlan(
             index=i,
             sources=1 + before,

@@ -39,6 +39,17 @@ Stream = tuple
 _FORWARDS: dict[tuple, Callable] = {}
 
 
+def plan_forward(module: nn.Module, layer: Layer) -> None:
+    """Give ``module`` (``layer``, or a wrapper around it: torchtitan's activation checkpointing
+    wraps each layer) its class's ``forward`` with a code object of its own per layer plan,
+    shared by every module of that class and plan (see :class:`Layer`)."""
+    fn = type(module).forward
+    key = (fn, layer.plan_key)
+    if key not in _FORWARDS:
+        _FORWARDS[key] = own_code(fn)
+    module.forward = types.MethodType(_FORWARDS[key], module)
+
+
 class Layer(TransformerBlock):
     """Layer i: attention (sublayer 2i+1), MLP (sublayer 2i+2) and the reads of sites 2i+1 (the
     MLP's input) and 2i+2 (the next layer's input; the last layer's is the final read).
@@ -55,7 +66,8 @@ class Layer(TransformerBlock):
     Each distinct plan (sources in, partial in, block ends) runs its own copy of ``forward``
     (its own code object), shared by all layers and models with that plan: dynamo keeps one
     set of graphs per code object, so a deep Full model, or several models in one process,
-    never exhaust one function's recompile limit.
+    never exhaust one function's recompile limit. A module wrapping a layer (torchtitan's
+    activation checkpointing) gets the same from :meth:`LRAttnResModel.plan_forwards`.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -81,12 +93,10 @@ class Layer(TransformerBlock):
             self.queries = nn.Parameter(torch.zeros(2, depth.rank, dtype=torch.float32))
             self.ends = self.plan.ends
             self.sites = self.plan.sites
-        key = ("baseline",) if self.plan is None else (
+        self.plan_key = ("baseline",) if self.plan is None else (
             depth.variant, self.plan.sources, self.plan.partial_in, self.plan.ends
         )  # fmt: skip
-        if key not in _FORWARDS:
-            _FORWARDS[key] = own_code(Layer.forward)
-        self.forward = types.MethodType(_FORWARDS[key], self)
+        plan_forward(self, self)
 
     def forward(
         self,
@@ -238,6 +248,17 @@ class LRAttnResModel(Decoder):
         self.embedding_key = (
             config.embedding_key.build() if config.embedding_key is not None else None
         )
+
+    def plan_forwards(self) -> None:
+        """Give each entry of ``self.layers`` that wraps a layer (torchtitan's activation
+        checkpointing wrapper) a forward per layer plan, as the layers have (:class:`Layer`):
+        call it after wrapping, before compiling (``titan_lrattnres.parallel.compile``)."""
+        for entry in self.layers.values():
+            layer = entry
+            while not isinstance(layer, Layer):
+                layer = layer._checkpoint_wrapped_module
+            if entry is not layer:
+                plan_forward(entry, layer)
 
     def depth_queries(self) -> list[nn.Parameter]:
         """Every layer's ``queries [2, r]``, in layer order (none for the baseline)."""

@@ -53,77 +53,61 @@ def test_fused_backend_matches_reference_in_bf16(build, variant):
 
 
 @pytest.mark.parametrize("grad", [True, False])
-def test_phase1_runs_once_per_block(build, monkeypatch, grad):
-    """Each completed source set is read once per block, not once per read site: by the
-    forward's ``SourceBank`` in training (on CPU in fp32 the fused kernels, not the ops), by
-    ``block_read`` without autograd."""
-    import custom_ops
+def test_phase1_runs_once_per_layer(build, monkeypatch, grad):
+    """Each layer reads its completed sources once, for both of its sites: L phase-1 reads a
+    forward, with or without autograd."""
+    from titan_lrattnres.model import depth
 
-    calls = {"bank": 0, "op": 0}
-    read, block_read = custom_ops.SourceBank.read, custom_ops.api.block_read
+    calls = []
+    block_read = depth.custom_ops.block_read
 
-    def bank_read(*a, **k):
-        calls["bank"] += 1
-        return read(*a, **k)
+    def op(values, keys, queries, *a, **k):
+        calls.append((len(values), tuple(queries.shape)))
+        return block_read(values, keys, queries, *a, **k)
 
-    def op(*a, **k):
-        calls["op"] += 1
-        return block_read(*a, **k)
-
-    monkeypatch.setattr(custom_ops.SourceBank, "read", bank_read)
-    monkeypatch.setattr(custom_ops.api, "block_read", op)
-    monkeypatch.setattr(custom_ops, "block_read", op)
+    monkeypatch.setattr(depth.custom_ops, "block_read", op)
     model = build("deep_debug", variant="sliced", blocks=8, rank=16, depth_backend="compiled")
     with torch.set_grad_enabled(grad):
         model(torch.randint(0, 4096, (1, 8)))
-    # completion points: site 0 and the 8 block ends (the last one for the final read only)
-    assert calls == ({"bank": 9, "op": 0} if grad else {"bank": 0, "op": 9})
+    # block ends every 6 sublayers (3 layers): layer i reads e and the i // 3 blocks before it
+    assert calls == [(1 + i // 3, (2, 16)) for i in range(24)]
 
 
-def _compiled(model, backend: str):
+def _compiled(model, backend: str, ac: str | None = None):
+    """``model`` as torchtitan's Trainer makes it: AC of each layer (``ac``), then each layer
+    compiled (torchtitan's apply_ac / apply_compile)."""
     from torchtitan.config import CompileConfig
-    from torchtitan.distributed.compile import apply_compile
+
+    from titan_lrattnres.evaluation.memory import apply_ac
+    from titan_lrattnres.parallel.compile import compile_layers
 
     class _Dims:  # the one attribute apply_compile reads from ParallelDims
         tp_enabled = False
 
-    apply_compile(model, compile_config=CompileConfig(enable=True, backend=backend),
-                  parallel_dims=_Dims)  # fmt: skip
+    if ac is not None:
+        apply_ac(model, ac)
+    compile_layers(model, CompileConfig(enable=True, backend=backend), _Dims)
     return model
 
 
 @pytest.mark.parametrize(
-    "variant,blocks,compiler",
-    [("sliced", 4, "aot_eager"), ("projected", 3, "aot_eager"), ("attnres", 8, "aot_eager"),
-     ("sliced", 4, "inductor"), ("sliced", None, "aot_eager")],
+    "variant,blocks,compiler,ac",
+    [("sliced", 4, "aot_eager", None), ("projected", 3, "aot_eager", "full"),
+     ("attnres", 8, "aot_eager", "selective"), ("sliced", 4, "inductor", None),
+     ("sliced", None, "aot_eager", None), ("projected", 5, "inductor", "selective")],
 )  # fmt: skip
-def test_merges_inside_compiled_sublayers_match_reference(build, variant, blocks, compiler):
-    """The compiled path: each merge traced as the reference's maths inside the sublayer that
-    reads it (Inductor: fused there), the loss and every gradient those of the reference."""
+def test_compiled_layers_match_reference(build, variant, blocks, compiler, ac):
+    """The compiled path, as the Trainer runs it: each layer one graph (phase 1, attention, the
+    merges, MLP), under torchtitan's AC or none; the loss and every gradient those of the
+    eager reference model."""
     torch._dynamo.reset()
     kw = dict(variant=variant, blocks=blocks, rank=16)
     ref = build("deep_debug", depth_backend="reference", **kw)
-    fused = _compiled(build("deep_debug", depth_backend="auto", **kw), compiler)
+    fused = build("deep_debug", depth_backend="auto", **kw)
     fused.load_state_dict(ref.state_dict())
-    reads, step = [], fused.router.step
-
-    def recording_step(*args):  # what the router hands the next sublayer: a partial to merge?
-        h, read = step(*args)
-        reads.append(read[1] is not None)
-        return h, read
-
-    fused.router.step = recording_step
+    fused = _compiled(fused, compiler, ac)
     tokens = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(2))
     try:
         _assert_same_loss_and_gradients(ref, fused, tokens)
     finally:
         torch._dynamo.reset()
-    # every site is finished by the sublayer reading it (the last by the router): a merge with
-    # the partial inside a block, a cast at a block end; Full, read in pairs of sites, merges
-    # at every odd site (its own sublayer's output) and casts at the even ones
-    ends = set(fused.router.ends)
-    if blocks is None:
-        assert fused.router.reads_pairs
-        assert reads == [t % 2 == 1 for t in range(1, 49)]
-    else:
-        assert reads == [t not in ends for t in range(1, 49)]

@@ -61,20 +61,23 @@ def test_source_sets_follow_the_size_schedule():
 
 @pytest.mark.parametrize("schedule", [{"blocks": None}, {"blocks": 2}, {"blocks": 5},
                                       {"block_layers": 2}, {"block_layers": 3}])  # fmt: skip
-def test_the_router_walks_the_schedule(schedule):
-    """``DepthRouter.step`` keeps, after each sublayer, the source set ``source_sets`` walks."""
-    config = build_model_config(THREE_LAYERS, variant="sliced", rank=4, depth_backend="reference",
-                                **schedule)  # fmt: skip
-    router = config.router.build()
-    m = router.num_sublayers
+def test_the_layers_walk_the_schedule(build, schedule):
+    """Each layer's plan, and the sources each site reads, are the source sets
+    ``source_sets`` walks: completed sources and a partial after each sublayer."""
+    model = build(THREE_LAYERS, variant="sliced", rank=4, **schedule)
+    m = model.router.num_sublayers
     walk = source_sets(m, schedule.get("blocks"), schedule.get("block_layers"))
-    g = torch.Generator().manual_seed(0)
-    state = router.start(torch.randn(1, 2, 32, generator=g))
-    for j in range(m + 1):
-        if j:
-            router.step(state, j, torch.randn(1, 2, 32, generator=g))
-        assert (len(state.values), state.partial is not None) == walk[j], j
-        assert len(router.sources(state)[0]) == 1 + sum(walk[j])
+    for i, layer in enumerate(model.layers.values()):
+        assert (layer.plan.sources - 1, layer.plan.partial_in) == walk[2 * i], i
+    seen = {}
+
+    def call(layer, *stream):
+        attend = lambda x: layer.attention(x, None, None)  # noqa: E731
+        on_read = lambda t, values, keys, query: seen.setdefault(t, len(values))  # noqa: E731
+        return layer.run(attend, *stream, on_read=on_read)
+
+    model.run_layers(model.start(torch.randn(1, 2, 32)), call)
+    assert seen == {t: 1 + sum(walk[t]) for t in range(1, m + 1)}
 
 
 def test_both_given_is_refused():

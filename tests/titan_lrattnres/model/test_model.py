@@ -8,6 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import custom_ops
 from titan_lrattnres.model.registry import FLAVORS, Flavor, build_model_config
 
 VARIANTS = ["baseline", "attnres", "sliced", "projected"]
@@ -24,11 +25,13 @@ def rms(x, eps=EPS):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def sublayer_output(layer, h):
-    """``o_j`` (projected: ``(o_j, RMSNorm(k_j))``) of a sublayer from its parts: what it writes
-    before any residual or partial it adds itself."""
-    x = layer.norm(h)
-    y = layer.attention(x, None, None) if layer.attention is not None else layer.feed_forward(x)
+def sublayer_output(layer, j, h):
+    """``o_j`` (projected: ``(o_j, RMSNorm(k_j))``) of sublayer j (of ``layer``) from its parts:
+    what it writes before any residual or partial."""
+    if j % 2:
+        y = layer.attention(layer.attention_norm(h), None, None)
+    else:
+        y = layer.feed_forward(layer.ffn_norm(h))
     if not layer.key_rank:
         return y
     return y[..., : layer.dim], rms(y[..., layer.dim :]).float()
@@ -45,10 +48,10 @@ def slow_forward(model, tokens, n_blocks):
     e = model.tok_embeddings(tokens)
     outs, keys = [e], []
     if variant == "projected":
-        keys.append(rms(router.embedding_key(e)))
+        keys.append(rms(model.embedding_key(e)))
     h = e
     for j in range(1, m + 1):
-        out = sublayer_output(layers[j - 1], h)
+        out = sublayer_output(layers[(j - 1) // 2], j, h)
         if variant == "projected":
             out, k = out
             keys.append(k.double())  # normalised at emission (checked in its own test)
@@ -74,7 +77,7 @@ def slow_forward(model, tokens, n_blocks):
         else:
             r = router.rank
             ks = [v[..., -r:] for v in values]
-        q = router.query(j).double()
+        q = layers[(j - 1) // 2].queries[(j - 1) % 2].double()
         logits = torch.stack([(rms(k) * q).sum(-1) for k in ks])
         alpha = torch.softmax(logits, 0)
         h = sum(a.unsqueeze(-1) * v.double() for a, v in zip(alpha, values)).to(e.dtype)
@@ -141,13 +144,20 @@ def test_block_sums_match_slow_loop(build, cfg, backend, seed):
 
 def test_zero_queries_are_a_uniform_mean_not_the_residual_sum(build):
     model = build(variant="sliced", blocks=None, rank=8, randomize_queries=False)
-    assert all(torch.count_nonzero(q) == 0 for q in model.router.query_params())
+    assert all(torch.count_nonzero(q) == 0 for q in model.depth_queries())
     tokens = torch.randint(0, 4096, (1, 5))
     e = model.tok_embeddings(tokens)
-    o1 = model.layers["0"](e, None, None)
-    state = model.router.start(e)
-    h1, read = model.router.step(state, 1, o1)
-    torch.testing.assert_close(model.router.finish(h1, read), (e + o1) / 2)
+    layer = model.layers["0"]
+    o1 = layer.attention(layer.attention_norm(e), None, None)
+    seen = []
+    layer.run(
+        lambda x: layer.attention(x, None, None), *model.start(e), on_read=lambda *a: seen.append(a)
+    )
+    t, values, keys, query = seen[0]
+    assert t == 1 and keys is None and len(values) == 2
+    torch.testing.assert_close(values[1], o1)  # site 1 reads e and o_1: their plain mean
+    h1 = custom_ops.reference.depth_read(values, custom_ops.reference.sliced_keys(values, 8), query)
+    torch.testing.assert_close(h1, (e + o1) / 2)
 
 
 @SETTINGS
@@ -221,9 +231,9 @@ def test_forward_backward_finite(build, variant, dtype):
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
     if variant != "baseline":
-        assert all(q.grad.abs().sum() > 0 for q in model.router.query_params())
+        assert all(q.grad.abs().sum() > 0 for q in model.depth_queries())
     if variant == "projected":
-        assert model.layers["1"].feed_forward.w2.weight.grad[-16:].abs().sum() > 0
+        assert model.layers["0"].feed_forward.w2.weight.grad[-16:].abs().sum() > 0
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -249,32 +259,28 @@ def test_projected_keys_are_normalised_at_emission(build):
     model = build(variant="projected", rank=8, blocks=2)
     h = torch.randn(2, 5, 64)
     for layer in model.layers.values():
-        o, k = layer(h, None, None)
-        x = layer.norm(h)
-        if layer.attention is not None:
-            raw = layer.attention(x, None, None)
-        else:
-            raw = layer.feed_forward(x)
-        torch.testing.assert_close(o, raw[..., :64])
-        torch.testing.assert_close(k, rms(raw[..., 64:]).float())
-        assert k.dtype == torch.float32
+        for raw in (layer.attention(h, None, None), layer.feed_forward(h)):
+            o, k = layer.emit(raw)
+            torch.testing.assert_close(o, raw[..., :64])
+            torch.testing.assert_close(k, rms(raw[..., 64:]).float())
+            assert k.dtype == torch.float32
 
 
 def test_queries_are_fp32_zero_initialised(build):
     model = build(variant="projected", rank=8, blocks=2, randomize_queries=False)
-    queries = dict(model.router.named_parameters(recurse=False))
-    assert list(queries) == ["query_1", "query_2", "query_3", "query_4"]  # one per read site
+    queries = {n: p for n, p in model.named_parameters() if "quer" in n}
+    assert list(queries) == ["layers.0.queries", "layers.1.queries"]  # two read sites a layer
     for q in queries.values():
-        assert q.dtype == torch.float32 and q.shape == (8,) and torch.count_nonzero(q) == 0
+        assert q.dtype == torch.float32 and q.shape == (2, 8) and torch.count_nonzero(q) == 0
 
 
 def test_projected_output_projection_is_one_torchtitan_linear(build):
     from torchtitan.models.common.linear import Linear
 
     model = build(variant="projected", rank=8, blocks=2)
-    for i, layer in enumerate(model.layers.values()):
-        proj = layer.attention.wo if i % 2 == 0 else layer.feed_forward.w2
-        assert isinstance(proj, Linear) and proj.out_features == 64 + 8
+    for layer in model.layers.values():
+        for proj in (layer.attention.wo, layer.feed_forward.w2):
+            assert isinstance(proj, Linear) and proj.out_features == 64 + 8
 
 
 @pytest.mark.parametrize(
