@@ -19,7 +19,7 @@ from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
 from titan_lrattnres.components.data import register_datasets, tokenizer_dir
 from titan_lrattnres.components.loader import GlobalOrderDataLoader
 from titan_lrattnres.components.metrics import RunMetricsProcessor
-from titan_lrattnres.components.optimizers import MuonOptimizersContainer
+from titan_lrattnres.components.optimizers import QUERIES, MuonOptimizersContainer
 from titan_lrattnres.model.registry import schedule_kwargs
 from titan_lrattnres.spec import model_registry
 from titan_lrattnres.training.trainer import EndValidator, LRAttnResTrainer
@@ -37,7 +37,7 @@ def param_groups(
     weight_decay: float = 0.1,
     implementation: str = "fused",
 ) -> MuonOptimizersContainer.Config:
-    """AdamW with separate groups: queries (``router.query_<t>``), embeddings and head get
+    """AdamW with separate groups: queries (each layer's ``queries``), embeddings and head get
     their own lr and no weight decay; every other parameter (matrices) is the last group."""
 
     def adamw(lr_: float, wd: float) -> dict:
@@ -47,7 +47,7 @@ def param_groups(
     if variant != "baseline":
         groups.append(
             ParamGroupConfig(
-                pattern=r"router\.query_",
+                pattern=QUERIES,
                 optimizer_name="AdamW",
                 optimizer_kwargs=adamw(lr_query, 0.0),
             )

@@ -2,9 +2,9 @@
 
 - ``cpu_smoke``: the ``debug`` flavor, 20 steps, under a minute; checks the whole path.
 - ``cpu_default``: the main job (``make train``): ``cpu_small`` (d128, L4), S-LR Block N=4 r=32,
-  seq 256 x batch 8, 200 steps (410k tokens), per-sublayer inductor compile (2x+ over eager
-  here), AdamW 3e-3 with 20 warmup steps and linear decay to 0.1x, validation at the end on
-  40 x 8 x 256 = 82k held-out tokens (46% of the split); checkpoints every 100 steps.
+  seq 256 x batch 8, 200 steps (410k tokens), inductor compile of each layer (torchtitan's
+  per-block compile), AdamW 3e-3 with 20 warmup steps and linear decay to 0.1x, validation at
+  the end on 40 x 8 x 256 = 82k held-out tokens (46% of the split); checkpoints every 100 steps.
 - ``cpu_default_{baseline,attnres,sliced,projected}``: the same recipe per variant (Block N=4),
   for comparisons at matched tokens; ``cpu_default_attnres_full`` is standard Full AttnRes.
 - ``cpu_default_{attnres,sliced,projected}_k3``: Block by size in layers (``block_layers=3``):
@@ -31,7 +31,7 @@ CPU_MUON = dict(
     muon_lr=1e-2, adamw_lr=3e-3, z_loss_weight=1e-5, ortho_dtype="float32", fuse_mlp_input=False
 )
 
-CPU_VARIANTS = {  # variant -> (blocks, rank) at d=128, M=8 sublayers
+CPU_VARIANTS = {  # variant -> (blocks, rank) at d=128, L=4 layers (M=8 sublayers)
     "baseline": (None, 32),
     "attnres": (4, 128),
     "sliced": (4, 32),

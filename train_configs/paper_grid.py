@@ -9,9 +9,10 @@ every >= 2-D weight but embedding and head, each MLP's ``[w1; w3]`` one matrix (
 fused ``fc1``); AdamW (lr 3e-4, betas (0.9, 0.95), eps 1e-8, wd 0) for the embedding, LM head
 and depth queries; gradient clip 1.0; z-loss 1e-5 (validation reports CE, and CE + z).
 ``paper_*_float8``: the same with torchao rowwise float8 for every attention / MLP projection
-(LM head and depth router kept in bf16; ``titan_lrattnres.components.float8``). Dataset and
-tokenizer are set by the user (``--dataloader.dataset hf_text --dataloader.dataset_path ...
---hf_assets_path ...``); the flavor's vocabulary is cl100k-sized (100,277).
+(LM head and the embedding's key projection kept in bf16;
+``titan_lrattnres.components.float8``). Dataset and tokenizer are set by the user
+(``--dataloader.dataset hf_text --dataloader.dataset_path ... --hf_assets_path ...``); the
+flavor's vocabulary is cl100k-sized (100,277).
 
 Names: ``paper_baseline``, ``paper_attnres_{full,block4,block8,block16}``,
 ``paper_sliced_full_r{16..512}``, ``paper_sliced_block{4,8,16}_r64``,

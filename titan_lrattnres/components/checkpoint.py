@@ -5,7 +5,8 @@ subclass built from its config (``checkpoint=LRAttnResCheckpointManager.Config(.
   recorded once it has finished on all ranks (an async one at the next save or at the end of
   training, :meth:`~LRAttnResCheckpointManager.wait_and_record`), and only then are older
   checkpoints purged; a resume takes the newest intact checkpoint, and every folder DCP loads is
-  verified first (and refused in the old query layout, :mod:`titan_lrattnres.components.convert`).
+  verified first (and refused in an old parameter layout:
+  :mod:`titan_lrattnres.components.convert`).
 - **No save after a non-finite loss**: the trainer hands over each step's finiteness
   (``loss_finite``); a save that would follow a NaN/inf loss raises :class:`NonFiniteLossError`
   instead, naming the last good checkpoint.

@@ -9,11 +9,13 @@ CPU tests), checks the hardware when the model is built, not when the config is,
 
 - ``lm_head``: the logits (and the z-loss's logsumexp) are the most precision-sensitive matmul,
   and cl100k's 100,277 rows are not a multiple of 16 anyway;
-- ``router.``: the depth router's ``embedding_key`` (``d -> r``, P-LR) feeds the routing softmax
-  and is tiny;
+- ``embedding_key``: the embedding's key projection (``d -> r``, projected variant) feeds the
+  routing softmax and is tiny;
 - every Linear with a dimension not divisible by 16 (float8 GEMM requirement).
 
-Converted: every attention / MLP projection, the fused ``[W^O; W^K]`` included (one GEMM).
+Converted: every attention / MLP projection of every layer (``layers.{i}.attention``'s
+``qkv_linear.wqkv`` and ``wo``, ``layers.{i}.feed_forward``'s ``w1``, ``w2``, ``w3``), the fused
+``[W^O; W^K]`` of ``wo`` and ``w2`` included (one GEMM; the key is split from its output).
 There is no float8 all-gather in torchtitan 0.3.0 (and torchao offers it for tensorwise only):
 FSDP2 gathers the high-precision weights and casts after.
 """
@@ -29,7 +31,7 @@ from torchtitan.components.quantization.utils import module_filter_fn
 from torchtitan.models.common.linear import Linear
 from torchtitan.tools.logging import logger
 
-FLOAT8_SKIP = ["lm_head", "router."]
+FLOAT8_SKIP = ["lm_head", "embedding_key"]
 
 
 def check_float8_hardware(emulate: bool) -> None:

@@ -20,7 +20,7 @@ hold equal gradients; tensor parallel (TP) shards column-wise weights (``wqkv``,
 by rows and row-wise ones (``wo``, ``w2``) by columns, and FSDP2 then shards the rows of either
 (torchtitan 0.3.0 under FSDP2 x TP: ``(_StridedShard(0, sf=tp), Shard(0))`` and
 ``(Shard(0), Shard(1))`` on the ``(dp_shard, tp)`` mesh; at TP alone the same on a
-``dp_shard`` dim of 1); a parameter TP replicates (``router.embedding_key``:
+``dp_shard`` dim of 1); a parameter TP replicates (``embedding_key``:
 ``(Shard(0), Replicate())``) is held whole by every TP rank. The exchange runs over one process
 group per mesh: the mesh dims that shard any Muon parameter, flattened (FSDP2 x TP: the
 ``dp_shard x tp`` ranks; HSDP: one such group per replica). Every rank knows which block

@@ -4,11 +4,13 @@
   AdamW and DistMuon; this one adds ``"Muon"`` (:class:`titan_lrattnres.components.muon.Muon`) and
   lets a group claim only parameters of at least ``min_ndim`` dimensions (:class:`ParamGroup`).
 - :func:`recipe_param_groups`: the paper's routing. Muon (lr 1e-3, cautious wd 0.1) for every
-  >= 2-D weight but the embedding and the LM head -- the fused ``[W^O; W^K]`` projections and
-  ``router.embedding_key`` included, and each MLP's ``w1`` / ``w3`` orthogonalised as one
-  matrix ``[w1; w3]`` (the paper's fused ``fc1``; ``fuse_mlp_input``); AdamW (lr 3e-4, betas
-  (0.9, 0.95), wd 0) for the embedding, the LM head, the depth queries (``router.query_<t>``,
-  AdamW in the paper) and any 1-D parameter.
+  >= 2-D weight but the embedding, the LM head and the depth queries -- the fused
+  ``[W^O; W^K]`` projections and the embedding's key ``embedding_key`` included, and each MLP's
+  ``w1`` / ``w3`` orthogonalised as one matrix ``[w1; w3]`` (the paper's fused ``fc1``;
+  ``fuse_mlp_input``); AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the embedding, the LM head,
+  the depth queries (each layer's ``queries [2, r]``, :data:`QUERIES`: AdamW in the paper, in a
+  group of their own ahead of Muon's, which would otherwise take them as matrices) and any 1-D
+  parameter.
 - :class:`MomentumLRSchedulers`: torchtitan's LR schedule (the same lambda for both optimisers,
   as in the paper) plus Muon's momentum schedule: warmup 0.85 -> 0.95 over the first steps,
   cooldown back to 0.85 over the last ones (the paper: 300 and 100 steps).
@@ -30,6 +32,8 @@ from titan_lrattnres import torchtitan_internals as internals
 from titan_lrattnres.components.muon import Muon
 
 MUON_LR, ADAMW_LR = 1e-3, 3e-4
+QUERIES = r"(^|\.)queries$"
+"""The param-group pattern of the depth queries: each layer's ``layers.{i}.queries [2, r]``."""
 MLP_INPUT = (("feed_forward.w1.weight", "feed_forward.w3.weight"),)
 """``Muon(fuse=...)`` for the paper's ``fc1 = [W1; W3]``: each MLP's gate and up projections."""
 
@@ -115,7 +119,7 @@ def recipe_param_groups(
         kwargs = {"lr": adamw_lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.0}
         return ParamGroup(pattern=pattern, optimizer_name="AdamW", optimizer_kwargs=kwargs, **extra)
 
-    groups = [adamw(r"router\.query_")] if variant != "baseline" else []
+    groups = [adamw(QUERIES)] if variant != "baseline" else []
     groups += [
         adamw(r"tok_embeddings\."),
         adamw(r"lm_head\."),
@@ -225,6 +229,7 @@ __all__ = [
     "MomentumLRSchedulers",
     "MuonOptimizersContainer",
     "ParamGroup",
+    "QUERIES",
     "muon_momentum",
     "recipe_param_groups",
     "routing",

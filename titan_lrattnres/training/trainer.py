@@ -56,7 +56,7 @@ def model_fingerprint(model_config) -> dict:
         "dim": model_config.dim,
         "vocab_size": model_config.vocab_size,
         "hidden_dim": model_config.hidden_dim,
-        "num_layers": len(model_config.layers) // 2,
+        "num_layers": len(model_config.layers),
         "n_heads": model_config.first_attention.n_heads,
         **ModelIdentity.of(model_config).fingerprint(),
     }

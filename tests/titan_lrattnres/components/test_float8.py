@@ -28,15 +28,23 @@ def _converted(spec) -> tuple[set[str], set[str]]:
 
 @pytest.mark.parametrize(
     "variant, rank, kept",
-    [("sliced", 64, {"lm_head"}), ("projected", 32, {"lm_head", "router.embedding_key"})],
+    [("sliced", 64, {"lm_head"}), ("projected", 32, {"lm_head", "embedding_key"})],
 )
-def test_paper_model_converts_every_projection_but_head_and_router(variant, rank, kept):
+def test_paper_model_converts_every_projection_but_head_and_embedding_key(variant, rank, kept):
     spec = model_registry(
         "paper_0p5b", variant=variant, blocks=8, rank=rank, converters=[Float8Rowwise.Config()]
     )
     conv, not_conv = _converted(spec)
     assert len(conv) == 120 and not_conv == kept  # 24 layers x (wqkv, wo, w1, w2, w3)
-    assert "layers.0.attention.wo" in conv  # [W^O; W^K] for projected: one GEMM
+    names = (
+        "attention.qkv_linear.wqkv",
+        "attention.wo",
+        *(f"feed_forward.w{k}" for k in (1, 2, 3)),
+    )
+    assert conv == {f"layers.{i}.{n}" for i in range(24) for n in names}
+    for fqn in ("layers.23.attention.wo", "layers.23.feed_forward.w2"):  # [W^O; W^K]: one GEMM
+        cfg = next(c for f, c, _, _ in spec.model.traverse(Linear.Config) if f == fqn)
+        assert cfg.out_features == 1024 + (rank if variant == "projected" else 0)
     cfg = next(
         c for f, c, _, _ in spec.model.traverse(Linear.Config) if f == "layers.1.feed_forward.w2"
     )
@@ -44,11 +52,11 @@ def test_paper_model_converts_every_projection_but_head_and_router(variant, rank
     assert not cfg._torchao_config.emulate
 
 
-def test_router_key_would_convert_without_the_filter():
+def test_embedding_key_would_convert_without_the_filter():
     """The filter, not the 16-divisibility rule, keeps the embedding key (d=64 -> r=16)."""
     kw = dict(variant="projected", blocks=2, rank=16)
     spec = model_registry("debug", converters=[Float8Rowwise.Config(filter_fqns=[])], **kw)
-    assert "router.embedding_key" in _converted(spec)[0]
+    assert "embedding_key" in _converted(spec)[0]
 
 
 def test_float8_layers_refuse_cpu_without_emulation():
@@ -78,7 +86,7 @@ def test_emulated_rowwise_forward_backward_is_within_float8_tolerance():
     ref = model_registry("debug", **kw).model.build()
     ref.init_states(buffer_device=torch.device("cpu"))
     with torch.no_grad():
-        for q in ref.router.query_params():
+        for q in ref.depth_queries():
             q.normal_(0, 0.3)  # non-uniform routing
     conv = Float8Rowwise.Config(emulate=True)
     fp8 = model_registry("debug", converters=[conv], **kw).model.build()

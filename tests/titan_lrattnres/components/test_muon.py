@@ -6,6 +6,7 @@ another data-parallel size. Tensor parallel: test_muon_tp.py."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from titan_lrattnres import model_registry
 from titan_lrattnres.components.muon import POLAR_EXPRESS_COEFFS, Muon, assign_owners, polar_express
 from titan_lrattnres.components.optimizers import (
     MLP_INPUT,
+    QUERIES,
     MomentumLRSchedulers,
     muon_momentum,
     recipe_param_groups,
@@ -168,7 +170,7 @@ def test_recipe_fuses_each_mlp_input_pair(fused):
     assert pairs == (
         [
             (f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.feed_forward.w3.weight")
-            for i in (1, 3)
+            for i in (0, 1)
         ]
         if fused
         else []
@@ -196,20 +198,32 @@ def test_routing_follows_the_paper_by_name(variant):
     got = routing(opt)
     adamw = {"tok_embeddings.weight", "lm_head.weight"}
     if variant != "baseline":
-        adamw |= {f"router.query_{t}" for t in range(1, 5)}  # one per read site (M = 4)
+        adamw |= {"layers.0.queries", "layers.1.queries"}  # [2, r]: 2-D, still AdamW
+        assert model.get_parameter("layers.1.queries").shape == (
+            2,
+            64 if variant == "attnres" else 16,
+        )
     muon = set()
-    for layer in (0, 2):
+    for layer in (0, 1):
         muon |= {
             f"layers.{layer}.attention.qkv_linear.wqkv.weight",
             f"layers.{layer}.attention.wo.weight",  # [W^O; W^K] for projected
-            f"layers.{layer + 1}.feed_forward.w1.weight",
-            f"layers.{layer + 1}.feed_forward.w2.weight",
-            f"layers.{layer + 1}.feed_forward.w3.weight",
+            f"layers.{layer}.feed_forward.w1.weight",
+            f"layers.{layer}.feed_forward.w2.weight",
+            f"layers.{layer}.feed_forward.w3.weight",
         }
     if variant == "projected":
-        muon.add("router.embedding_key.weight")
+        muon.add("embedding_key.weight")
         assert model.get_parameter("layers.0.attention.wo.weight").shape[0] == 64 + 16
     assert got == {**{n: "AdamW" for n in adamw}, **{n: "Muon" for n in muon}}
+    if variant != "baseline":  # the queries' own group, whatever wraps the layers
+        (group,) = [
+            g for o in opt for g in o.param_groups if "layers.0.queries" in g["param_names"]
+        ]
+        assert group["param_names"] == ["layers.0.queries", "layers.1.queries"]
+        for name in ("layers.3._checkpoint_wrapped_module.queries", "_orig_mod.layers.0.queries"):
+            assert re.search(QUERIES, name), name
+        assert not any(re.search(QUERIES, n) for n in muon | {"tok_embeddings.weight"})
     muon_opt = next(o for o in opt if isinstance(o, Muon))
     assert (
         muon_opt.param_groups[0]["lr"] == 1e-3 and muon_opt.param_groups[0]["weight_decay"] == 0.1

@@ -42,7 +42,7 @@ TORCHTITAN = {
     "feed_forward.w1.weight": COLWISE,
     "feed_forward.w2.weight": ROWWISE,
     "feed_forward.w3.weight": COLWISE,
-    "router.embedding_key.weight": TP_REPLICATED,
+    "embedding_key.weight": TP_REPLICATED,
 }
 CASES = ["pp2_fsdp2_tp2_float32", "pp2_fsdp2_tp2_bfloat16", "hsdp2x2_tp2_float32"]
 CASES += ["tp2_float32", "tp2_bfloat16", "tp2_plain_float32"]
@@ -79,7 +79,7 @@ def test_layouts_are_torchtitans(eight_ranks, case):
         "feed_forward.w1.weight": [*tall_rows, [37, 1]],
         "feed_forward.w2.weight": [*wide_cols, [1, 37]],
         "feed_forward.w3.weight": [*tall_rows, [37, 1]],
-        "router.embedding_key.weight": ["S(1)", "R", [1, 24]],
+        "embedding_key.weight": ["S(1)", "R", [1, 24]],
     }
     # stage 1: a wide fused [w1; w3] keeps one column statistic per member
     wide = eight_ranks[4]["pp2_fsdp2_tp2_float32"]["variance"]

@@ -11,6 +11,7 @@ from torchtitan.trainer import Trainer
 
 import train_configs
 from titan_lrattnres import model_registry, train
+from titan_lrattnres.components.optimizers import QUERIES
 from train_configs import common, cpu, paper_grid
 
 EXPECTED_PAPER = {
@@ -48,7 +49,7 @@ def test_cpu_variants_are_matched():
         c = train_configs.get_config(f"cpu_default_{v}")
         assert [getattr(c.training, k) for k in keys] == [getattr(base.training, k) for k in keys]
         assert c.training.mixed_precision_param == "float32"
-        assert c.optimizer.param_groups[0].pattern == r"router\.query_"
+        assert c.optimizer.param_groups[0].pattern == QUERIES
 
 
 def test_paper_recipe():
@@ -60,7 +61,7 @@ def test_paper_recipe():
     assert c.lr_scheduler.decay_ratio == 0.2 and c.lr_scheduler.min_lr_factor == 0.1
     r = c.model_spec.model.router
     assert (r.variant, r.blocks, r.rank) == ("sliced", 8, 64)
-    assert c.model_spec.model.dim == 1024 and len(c.model_spec.model.layers) == 48
+    assert c.model_spec.model.dim == 1024 and len(c.model_spec.model.layers) == 24
     full = train_configs.get_config("paper_attnres_full").model_spec.model.router
     assert (full.variant, full.blocks, full.rank) == ("attnres", None, 1024)
 
@@ -118,7 +119,7 @@ def test_paper_configs_hold_every_setting_of_the_papers_recipe(name):
     adamw = [g for g in c.optimizer.param_groups if g.optimizer_name == "AdamW"]
     expected = {r"tok_embeddings\.", r"lm_head\.", ".*"}
     if not name.startswith("paper_baseline"):
-        expected.add(r"router\.query_")
+        expected.add(QUERIES)
     assert {g.pattern for g in adamw} == expected
     for g in adamw:
         assert {k: g.optimizer_kwargs[k] for k in PAPER["adamw"]} == PAPER["adamw"]
@@ -130,8 +131,10 @@ def test_paper_configs_hold_every_setting_of_the_papers_recipe(name):
     assert m.vocab_size == PAPER["vocab"]
     inits = [m.tok_embeddings.param_init["weight"], m.lm_head.param_init["weight"]]
     for layer in m.layers:
-        mod = layer.attention or layer.feed_forward
-        inits += [lin.param_init["weight"] for lin in _linears(mod)]
+        for mod in (layer.attention, layer.feed_forward):
+            inits += [lin.param_init["weight"] for lin in _linears(mod)]
+    if m.embedding_key is not None:  # projected
+        inits.append(m.embedding_key.param_init["weight"])
     assert {_init_std(f) for f in inits} == {PAPER["init_std"]}
 
 
@@ -260,6 +263,6 @@ def test_param_groups_split_queries_embeddings_head(variant):
     if variant == "baseline":
         assert not any("query" in n for n in lr_of)
     else:
-        assert {lr_of[f"router.query_{t}"] for t in range(1, 5)} == {(4e-3, 0.0)}
+        assert {lr_of[f"layers.{i}.queries"] for i in range(2)} == {(4e-3, 0.0)}
     assert len(lr_of) == len(list(model.parameters()))
     assert config.optimizer.param_groups[-1].pattern == ".*"
