@@ -8,15 +8,15 @@ positions sharded in the load-balanced order (``prepare_context_parallel_input``
 rank i holds chunks i and 3-i of 4), the FlexAttention ``BlockMask`` built on the whole sequence
 and CP-sharded with them, each attention's keys and values all-gathered over CP and their
 gradients reduce-scattered back (the inner attention's layout), FSDP2 over ``dp_shard`` x ``cp``
-summing every gradient (the router's queries and embedding key included). Rank 0 runs the same
+summing every gradient (the layers' queries and the embedding key included). Rank 0 runs the same
 model, from the same weights, on the whole sequence in one process. Compared: the loss and every
 parameter's gradient (relative error ||g - g_ref|| / ||g_ref||, and the largest element
 difference), fp32, TF32 off.
 
-Cases (flavor ``debug``: d=64, L=2, 4 sublayers): ``sliced_block`` (S-LR, Block N=2, r=16, the
-fused two-phase reads), ``projected_block`` (P-LR, Block N=2, r=16: the embedding key and the
-fused ``[W^O; W^K]``), ``sliced_full_documents`` (Full, the one-pass reference read, a batch of
-packed documents: positions restart, the mask is causal within each document).
+Cases (flavor ``debug``: d=64, L=2 layers, 4 sublayers): ``sliced_block`` (S-LR, Block N=2,
+r=16, the fused phase-1 op), ``projected_block`` (P-LR, Block N=2, r=16: the embedding key and
+the fused ``[W^O; W^K]``), ``sliced_full_documents`` (Full, the reference read, a batch of packed
+documents: positions restart, the mask is causal within each document).
 
 On GPUs: NCCL, FlexAttention as torchtitan compiles it; needs 2 GPUs, otherwise it prints "needs
 2 GPUs, found N", records that in the JSON and exits 0. ``--dry-run``: the same on the CPU, 2
@@ -44,7 +44,7 @@ WORLD = 2
 SEED = 0
 BATCH = 2
 # Relative tolerance on the loss and on every gradient. CPU, measured (dry run, T=256): loss
-# <= 1.2e-7, gradients <= 1.2e-6 (a router query's), from rounding: the CP ranks' partial
+# <= 1.2e-7, gradients <= 1.2e-6 (a layer's queries'), from rounding: the CP ranks' partial
 # gradients are summed in another order, the attention reduces over keys in another order.
 # CUDA: not measured yet; FlexAttention's tiles over the local and the whole sequence differ.
 TOL = {"cpu": 1e-5, "cuda": 1e-4}
@@ -92,7 +92,7 @@ def build(spec, device: torch.device):
     model = spec.model.build()
     model.init_states(buffer_device=torch.device("cpu"))
     with torch.no_grad():
-        for q in model.router.query_params():
+        for q in model.depth_queries():
             q.normal_(0, 1.5 / q.shape[-1] ** 0.5)
     return model.to(device)
 

@@ -10,7 +10,7 @@ by its own rows, against one process's Muon on the concatenated matrices.
 
 8 ranks (``tp``): a tiny transformer layer's weights (``Stage``) laid out as torchtitan 0.3.0
 lays them out, by torch's tensor-parallel styles (``wqkv``, ``w1``, ``w3`` column-wise, ``wo``,
-``w2`` row-wise, ``router.embedding_key`` replicated over TP) and FSDP2's ``fully_shard``, on
+``w2`` row-wise, the root ``embedding_key`` replicated over TP) and FSDP2's ``fully_shard``, on
 meshes cut from the 8 ranks: PP2 x FSDP2 x TP2 (each pipeline stage its own model part and
 Muon), HSDP (2 x 2) x TP2, TP2 on a ``dp_shard`` dim of 1 (the trainer's TP-only mesh) and TP2
 alone; fused ``[w1; w3]``, 3 steps against one process's Muon on the same weights; and a DCP
@@ -233,7 +233,7 @@ class Stage(nn.Module):
         self.feed_forward = nn.ModuleDict(
             {"w1": linear(DIM, hidden), "w2": linear(hidden, DIM), "w3": linear(DIM, hidden)}
         )
-        self.router = nn.ModuleDict({"embedding_key": linear(DIM, key)})
+        self.embedding_key = linear(DIM, key)
 
 
 def stage_grads(model: nn.Module, step: int) -> dict[str, torch.Tensor]:
@@ -247,7 +247,7 @@ def laid_out(stage: int, mesh, dp: tuple[str, ...]) -> nn.Module:
     model = Stage(stage)
     tp = mesh["tp"]
     parallelize_module(model, tp, TP_PLAN)
-    key = model.router.embedding_key
+    key = model.embedding_key
     key.weight = nn.Parameter(distribute_tensor(key.weight.detach(), tp, [Replicate()]))
     if dp:
         fully_shard(model, mesh=mesh[dp])

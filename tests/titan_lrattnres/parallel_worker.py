@@ -1,8 +1,10 @@
 """Launcher for the tensor- and pipeline-parallel tests: ``python parallel_worker.py MODEL
 [trainer CLI ...]`` (also under torchrun). Runs ``titan_lrattnres.train`` on ``cpu_smoke``
 (or another base config: ``main(argv, base=...)``, as ``parallel/recipe_worker.py`` does) with the
-model ``MODEL`` (``"<variant>[_full][_v<vocab>]"``, e.g. ``sliced``, ``projected``,
-``attnres_full``, ``sliced_v1000``) and two test hooks:
+model ``MODEL`` (``"<variant>[_full][_small][_ref][_v<vocab>]"``: flavor ``debug``, L=2, Block
+N=2, r=16, the base config's depth backend; ``_full``: Full; ``_small``: flavor ``cpu_small``,
+L=4; ``_ref``: the ``reference`` depth backend; e.g. ``sliced``, ``projected``,
+``attnres_full``, ``sliced_small``, ``projected_ref``, ``sliced_v1000``) and two test hooks:
 
 - the gradient-clipping norm is computed in float64: torch's fp32 ``vector_norm`` on CPU
   accumulates sequentially (measured: 8e-5 relative error on the head's gradient of a
@@ -35,7 +37,7 @@ def dump_tokens(seq: int) -> torch.Tensor:
     return torch.arange(2 * seq).reshape(2, seq) * 37 % 1000
 
 
-MODEL_ARGS: dict = {}  # build_model_config arguments of the registered model (flavor "debug")
+MODEL_ARGS: dict = {}  # build_model_config arguments of the registered model (flavor included)
 
 
 def _fp64_total_norm(original):
@@ -109,7 +111,7 @@ def dump(trainer, path: str) -> None:
         tokens = dump_tokens(32)
         logits = _tp_logits(trainer, tokens)
     if int(os.environ.get("RANK", "0")) == 0:
-        args = {"flavor": "debug", **MODEL_ARGS}
+        args = dict(MODEL_ARGS)
         torch.save({"params": params, "logits": logits, "tokens": tokens, "model_args": args}, path)
 
 
@@ -147,10 +149,15 @@ def register(model: str, base=None) -> str:
     base = base or cpu_smoke
 
     parts = model.split("_")
-    kwargs = dict(variant=parts[0], blocks=2, rank=16)
+    kwargs = dict(flavor="debug", variant=parts[0], blocks=2, rank=16)
+    backend = None  # the base config's
     for p in parts[1:]:
         if p == "full":
             kwargs["blocks"] = None
+        elif p == "small":
+            kwargs["flavor"] = "cpu_small"
+        elif p == "ref":
+            backend = "reference"
         elif p.startswith("v"):
             kwargs["vocab_size"] = int(p[1:])
         else:
@@ -158,8 +165,8 @@ def register(model: str, base=None) -> str:
 
     def config():
         c = base()
-        backend = c.model_spec.model.router.backend
-        c.model_spec = model_registry("debug", depth_backend=backend, **kwargs)
+        depth_backend = backend or c.model_spec.model.router.backend
+        c.model_spec = model_registry(depth_backend=depth_backend, **kwargs)
         return c
 
     MODEL_ARGS.update(kwargs)

@@ -1,8 +1,8 @@
 """Context parallel (CP): what the model asks of torchtitan's CP, and a CPU stand-in for
 FlexAttention that lets torchtitan's own CP machinery run without a GPU.
 
-Every depth read is per token: a token mixes its own sublayer outputs across depth, so the
-router runs on CP's sequence shards unchanged, load-balanced order ("headtail": rank i holds
+Every depth read is per token: a token mixes its own sublayer outputs across depth, so each
+layer's reads run on CP's sequence shards unchanged, load-balanced order ("headtail": rank i holds
 chunks i and 2·cp-1-i) included. What CP needs from the model, and where torchtitan provides it
 (``spmd_backend="spmd_types"``, the default):
 
@@ -12,11 +12,11 @@ chunks i and 2·cp-1-i) included. What CP needs from the model, and where torcht
   to the ranks that own them (the inner attention's layout, ``set_gqa_inner_attention_local_map``
   in ``titan_lrattnres.parallel.sharding``), masked by the CP-sharded ``BlockMask`` (which maps
   local query and gathered key indices back to sequence positions): FlexAttention only;
-- the router's parameters (``router.query_<t>``, ``router.embedding_key``) with their gradients
-  summed over CP: they are declared replicated on CP (``dense_param_placement``) and are root
-  parameters of the FSDP2 unit, which torchtitan shards over ``dp_shard`` x ``cp``
-  (``resolve_fsdp_mesh``), so the reduce-scatter sums them over CP as it does every other
-  parameter.
+- the depth parameters (each layer's ``layers.<i>.queries``, the projected root
+  ``embedding_key``) with their gradients summed over CP: they are declared replicated on CP
+  (``dense_param_placement``) and belong to FSDP2 units (a layer's, the root's), which
+  torchtitan shards over ``dp_shard`` x ``cp`` (``resolve_fsdp_mesh``), so the reduce-scatter
+  sums them over CP as it does every other parameter.
 
 :class:`DenseFlexAttention` is a ``FlexAttention`` whose kernel evaluates the ``BlockMask``'s
 mask function densely and runs SDPA's math kernel (which has a CPU backward); FlexAttention has
@@ -41,9 +41,9 @@ def check_context_parallel(model_config, parallelism) -> None:
     cp = parallelism.context_parallel_degree
     if parallelism.spmd_backend == "partial_dtensor":
         raise NotImplementedError(
-            f"parallelism.context_parallel_degree={cp} does not run with parallelism."
-            "spmd_backend='partial_dtensor': its CP wraps the inner attention of every layer's "
-            ".attention, which the MLP sublayers do not have; use 'spmd_types' (the default)"
+            f"parallelism.context_parallel_degree={cp} is not checked with parallelism."
+            "spmd_backend='partial_dtensor' (CP is held to one process with 'spmd_types', "
+            "benchmarks.gpu_cp); use 'spmd_types' (the default)"
         )
     inner = model_config.first_attention.inner_attention
     if not isinstance(inner, FlexAttention.Config):

@@ -1,22 +1,26 @@
 """Pipeline parallel: stage plans, the stage forward, and the cross-stage source cache.
 
 ``pipeline_lrattnres`` is the model spec's ``pipelining_fn``: torchtitan's ``pipeline_llm``
-(its stage split, ``PipelineStage`` and schedules) with three additions.
+(its stage split of ``model.layers`` by layer name, ``PipelineStage`` and schedules) with three
+additions.
 
-- **Ownership.** Every stage keeps the ``router``, pruned to what it owns: the queries of its
-  own read sites (``router.query_<t>``, one parameter per site) and, on the first stage only,
-  the projected embedding key. A checkpoint saved by any split therefore holds every parameter
+- **Ownership.** Each layer holds its own ``queries``, so a stage owns the queries of its
+  layers; the projected root ``embedding_key`` is kept on the first stage only (the only one
+  that calls ``model.start``). A checkpoint saved by any split therefore holds every parameter
   exactly once, and loads in one process.
-- **The stage forward** (:class:`LRAttnResStage`). A stage boundary after sublayer c carries the
-  depth state a later read needs, as a tuple whose layout is fixed by the static block schedule:
-  ``h_c`` (the read of site c), the running partial of the current block when c is no block end
-  (and its key), then the completed sources -- the embedding and block sums -- the receiving rank
-  does not hold yet (values; projected: each with its key). Everything sent is contiguous. The
-  receiver rebuilds the state and recomputes phase 1 (the batched read of the completed
-  sources) for its own sites of the current block.
+- **The stage forward** (:class:`LRAttnResStage`) is the model's own depth loop: the first stage
+  runs the embedding, ``model.start`` and ``run_layers``; a later stage rebuilds the stream
+  ``(h, values, keys, partial, partial_key)`` from what it receives and runs ``run_layers``; the
+  last stage ends with the norm and the head. A stage boundary after ``cut`` layers carries, as
+  a tuple whose layout is fixed by the static block schedule: ``h`` (the read feeding the next
+  layer), the running partial of the current block when the cut falls inside a block (and its
+  key), then the completed sources -- the embedding and block sums (Full: every sublayer
+  output) -- the receiving rank does not hold yet (values; projected: each with its key).
+  Everything sent is contiguous. The receiving layers read the completed sources in their own
+  phase 1, as in one process.
 - **The cross-stage source cache** (:class:`SourceCache`). With several stages per rank
   (Interleaved1F1B, LoopedBFS), a rank keeps the sources its earlier stage already received or
-  produced, and a hop into a later stage on that rank ships only the blocks completed since.
+  produced, and a hop into a later stage on that rank ships only the sources completed since.
   The later stage reads the cached sources through detached leaves; their gradients are handed
   to the earlier stage's backward by a pass-through node on its output (:class:`_Tap`), so every
   source's gradient reaches its producer exactly once, and no backward runs through another
@@ -26,7 +30,8 @@ Schedules: 1F1B, GPipe, Interleaved1F1B and LoopedBFS. The zero-bubble schedules
 gradients with ``autograd.grad`` over the received tensors only, which does not reach the
 cache's leaves: they are refused (README "Parallelism").
 
-The static plan (stage spans, hops, schedules) is :mod:`titan_lrattnres.parallel.pipeline_plan`.
+The static plan (stage spans in layers, hops, schedules) is
+:mod:`titan_lrattnres.parallel.pipeline_plan`.
 """
 
 from __future__ import annotations
@@ -38,8 +43,7 @@ import torch
 
 from custom_ops.schedule import schedule_ends
 from titan_lrattnres import torchtitan_internals as internals
-from titan_lrattnres.model.depth import DepthState, query_name
-from titan_lrattnres.model.model import LRAttnResModel
+from titan_lrattnres.model.model import LRAttnResModel, Stream
 from titan_lrattnres.parallel.pipeline_plan import (
     StagePlan,
     check_schedule,
@@ -113,88 +117,78 @@ class LRAttnResStage(LRAttnResModel):
     cache: SourceCache
 
     def forward(self, *inputs, positions=None, attention_masks=None):
-        router, plan = self.router, self.plan
+        plan = self.plan
         if plan.recv is None:
             (tokens,) = inputs
-            state = router.start(self.tok_embeddings(tokens))
-            h = state.embedding
+            stream = self.start(self.tok_embeddings(tokens))
         else:
-            h, state = self._receive(inputs)
-        read = None
-        for key, layer in self.layers.items():
-            out = layer(h, attention_masks, positions, read)
-            h, read = router.step(state, int(key) + 1, out)
-        h = router.finish(h, read)
-        if plan.send is None:
-            h = self.norm(h)
-            return h if self._skip_lm_head else self.lm_head(h)
-        return self._send(state, h)
+            stream = self._receive(inputs)
 
-    def _receive(self, inputs: tuple) -> tuple[torch.Tensor, DepthState]:
+        def call(layer, *stream):
+            return layer(*stream, attention_masks, positions)
+
+        stream = self.run_layers(stream, call)
+        if plan.send is None:
+            h = self.norm(stream[0])
+            return h if self._skip_lm_head else self.lm_head(h)
+        return self._send(stream)
+
+    def _receive(self, inputs: tuple) -> Stream:
         router, hop = self.router, self.plan.recv
-        if len(inputs) != hop.tensors(router.projected, router.variant == "baseline"):
+        projected = router.projected
+        if len(inputs) != hop.tensors(projected, not router.routed):
             raise RuntimeError(f"stage {self.plan.index}: {len(inputs)} inputs, plan {hop}")
         it = iter(inputs)
         h = next(it)
-        if router.variant == "baseline":
-            return h, DepthState(embedding=None, running=h)
+        if not router.routed:
+            return h, None, None, None, None
         partial = next(it) if hop.partial else None
-        partial_key = next(it) if hop.partial and router.projected else None
+        partial_key = next(it) if hop.partial and projected else None
         values, keys = [], []
         if hop.first_source:
             cached = self.cache.take(self.plan.take_from)
             values = cached[: hop.first_source]
-            keys = cached[hop.first_source :] if router.projected else [None] * len(values)
+            keys = cached[hop.first_source :]
         for _ in range(hop.first_source, hop.n_sources):
             values.append(next(it))
-            keys.append(next(it) if router.projected else None)
-        state = DepthState(
-            embedding=values[0],
-            embedding_key=keys[0],
-            values=values[1:],
-            keys=keys[1:],
-            partial=partial,
-            partial_key=partial_key,
-            paired=router.reads_pairs,
-        )
-        router.resume(state, hop.cut)
-        return h, state
+            if projected:
+                keys.append(next(it))
+        return h, values, keys if projected else None, partial, partial_key
 
-    def _send(self, state: DepthState, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _send(self, stream: Stream) -> tuple[torch.Tensor, ...]:
         router, plan, hop = self.router, self.plan, self.plan.send
-        if router.variant == "baseline":
+        h, values, keys, partial, partial_key = stream
+        if not router.routed:
             return (h.contiguous(),)
-        router.complete_pair(state)  # a cut inside a Full pair: its odd site's output goes on
-        values = [state.embedding, *state.values]
-        keys = [state.embedding_key, *state.keys]
-        if len(values) != hop.n_sources:
-            raise RuntimeError(f"stage {plan.index}: {len(values)} sources, plan {hop}")
+        if len(values) != hop.n_sources or (partial is not None) != hop.partial:
+            raise RuntimeError(
+                f"stage {plan.index}: {len(values)} sources, partial {partial is not None}, "
+                f"plan {hop}"
+            )
         out = []
         if hop.partial:
-            out.append(state.partial)
+            out.append(partial)
             if router.projected:
-                out.append(state.partial_key)
+                out.append(partial_key)
         for i in range(hop.first_source, hop.n_sources):
             out.append(values[i])
             if router.projected:
                 out.append(keys[i])
         if plan.deposit:
-            deposit = values + keys if router.projected else values
+            deposit = [*values, *keys] if router.projected else list(values)
             h = _Tap.apply(self.cache.put(plan.index, deposit), h, *deposit)
         return tuple(t.contiguous() for t in (h, *out))
 
 
 def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:
-    """Make ``model`` (a stage's split copy) the stage ``plan``: prune the router to the stage's
-    own parameters and switch to the stage forward."""
-    router = model.router
-    if router.variant != "baseline":
-        for t in range(1, router.num_sublayers + 1):
-            if not plan.first <= t <= plan.last:
-                delattr(router, query_name(t))
+    """Make ``model`` (a stage's split copy, holding layers ``plan.first .. plan.last``) the
+    stage ``plan``: the root ``embedding_key`` dropped unless it is the first stage, and the
+    stage forward."""
+    held = [int(k) for k in model.layers.keys()]
+    if held != list(range(plan.first, plan.last + 1)):
+        raise ValueError(f"stage {plan.index} holds layers {held}, plan {plan}")
     if plan.recv is not None:
-        router.embedding_key = None
-    router.site_stop = plan.last + 1
+        model.embedding_key = None
     model.__class__ = LRAttnResStage
     model.plan, model.cache = plan, cache
 
@@ -265,12 +259,14 @@ def pipeline_lrattnres(model, *, parallel_dims, parallelism, model_config, paral
     cache = SourceCache()
 
     def parallelize_stage(part, **kwargs):
-        sites = [int(k) + 1 for k in part.layers.keys()]
-        attach(part, plans[(min(sites), max(sites))], cache)
+        layers = [int(k) for k in part.layers.keys()]
+        attach(part, plans[(min(layers), max(layers))], cache)
         return parallelize_fn(part, **kwargs)
 
-    with_router = [[*n, "router"] for n in names]
-    parallelism = dataclasses.replace(parallelism, module_fqns_per_model_part=with_router)
+    names = [list(n) for n in names]
+    if model_config.embedding_key is not None and "embedding_key" not in names[0]:
+        names[0].append("embedding_key")  # the first stage's (pipeline_llm drops the rest)
+    parallelism = dataclasses.replace(parallelism, module_fqns_per_model_part=names)
     schedule_, parts, has_first, has_last = pp.pipeline_llm(
         model,
         parallel_dims=parallel_dims,

@@ -1,6 +1,10 @@
-"""Pipeline parallel's static plan: which sublayers each stage holds and what every stage boundary
-carries (the depth state a later read needs, fixed by the block schedule). Pure Python: no model,
+"""Pipeline parallel's static plan: which layers each stage holds and what every stage boundary
+carries (the depth stream a later read needs, fixed by the block schedule). Pure Python: no model,
 no torchtitan; :mod:`titan_lrattnres.parallel.pipeline` builds the stages from it.
+
+Stages are cut between layers (torchtitan's ``pipeline_llm`` splits ``model.layers`` by layer
+name): a boundary after ``cut`` layers falls after sublayer 2·cut of the block schedule, in a
+block (a running partial crosses it) or at a block end (none does).
 
 ``python -m benchmarks.pipeline_hops`` prints the bytes per hop (:func:`hop_table`), naive vs
 cached, for the paper's shape.
@@ -19,8 +23,9 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
 # -- the static plan ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hop:
-    """What the boundary after sublayer ``cut`` carries: ``h``, the partial (when ``partial``),
-    then sources ``first_source .. n_sources - 1`` (0 = the embedding, i = block i)."""
+    """What the boundary after ``cut`` layers (after sublayer 2·cut) carries: ``h``, the partial
+    (when ``partial``), then sources ``first_source .. n_sources - 1`` (0 = the embedding, i =
+    block i; Full: sublayer output i)."""
 
     cut: int
     partial: bool
@@ -29,7 +34,7 @@ class Hop:
 
     @property
     def shipped(self) -> int:
-        """Depth-state values sent besides ``h``: the partial and the uncached sources."""
+        """Depth-stream values sent besides ``h``: the partial and the uncached sources."""
         return int(self.partial) + self.n_sources - self.first_source
 
     def tensors(self, projected: bool, baseline: bool = False) -> int:
@@ -41,8 +46,8 @@ class Hop:
 @dataclass(frozen=True)
 class StagePlan:
     index: int
-    first: int  # first sublayer (1-based); its read sites are first..last
-    last: int
+    first: int  # first layer (0-based, as in ``layers.<i>``)
+    last: int  # last layer (inclusive)
     rank: int
     recv: Hop | None  # None: the first stage (tokens in)
     send: Hop | None  # None: the last stage (logits out)
@@ -50,14 +55,15 @@ class StagePlan:
     deposit: bool  # a later stage on this rank reads this stage's sources from the cache
 
 
-def stage_spans(module_names: list[list[str]], num_sublayers: int) -> list[tuple[int, int]]:
-    """``(first, last)`` sublayer (1-based) of every stage; checks that the stages cover the
-    sublayers in order, each at least one, with the embedding first and norm + head last."""
+def stage_spans(module_names: list[list[str]], num_layers: int) -> list[tuple[int, int]]:
+    """``(first, last)`` layer (0-based, inclusive) of every stage; checks that the stages cover
+    the layers in order, each at least one, with the embedding (and the projected embedding
+    key) first and norm + head last."""
     spans, expect = [], 0
     last_stage = len(module_names) - 1
     for s, names in enumerate(module_names):
         layers = []
-        allowed = {"router"} | ({"tok_embeddings"} if s == 0 else set())
+        allowed = {"tok_embeddings", "embedding_key"} if s == 0 else set()
         allowed |= {"norm", "lm_head"} if s == last_stage else set()
         for name in names:
             if name.startswith("layers."):
@@ -65,19 +71,17 @@ def stage_spans(module_names: list[list[str]], num_sublayers: int) -> list[tuple
             elif name not in allowed:
                 raise ValueError(
                     f"pipeline stage {s} lists {name!r}: a stage holds layers.<i> (in order), the "
-                    "first also tok_embeddings, the last also norm and lm_head"
+                    "first also tok_embeddings (and embedding_key), the last also norm and lm_head"
                 )
         if not layers or layers != list(range(expect, expect + len(layers))):
             raise ValueError(
-                f"pipeline stage {s} must hold the next sublayers in order from layers.{expect} "
+                f"pipeline stage {s} must hold the next layers in order from layers.{expect} "
                 f"(at least one; got {sorted(layers) or 'none'}): every stage reads across depth"
             )
-        spans.append((expect + 1, expect + len(layers)))
+        spans.append((expect, expect + len(layers) - 1))
         expect += len(layers)
-    if expect != num_sublayers or "tok_embeddings" not in module_names[0]:
-        raise ValueError(
-            f"pipeline stages must hold all {num_sublayers} sublayers and the embedding"
-        )
+    if expect != num_layers or "tok_embeddings" not in module_names[0]:
+        raise ValueError(f"pipeline stages must hold all {num_layers} layers and the embedding")
     if not {"norm", "lm_head"} <= set(module_names[-1]):
         raise ValueError("the last pipeline stage must hold norm and lm_head")
     return spans
@@ -86,12 +90,13 @@ def stage_spans(module_names: list[list[str]], num_sublayers: int) -> list[tuple
 def plan_stages(
     spans: list[tuple[int, int]], ranks: list[int], ends: list[int], *, cache: bool = True
 ) -> list[StagePlan]:
-    """The plan of every stage: ``spans`` from :func:`stage_spans`, ``ranks[s]`` the PP rank of
-    stage s, ``ends`` the block schedule; ``cache=False`` plans the naive hops."""
+    """The plan of every stage: ``spans`` from :func:`stage_spans` (layers), ``ranks[s]`` the PP
+    rank of stage s, ``ends`` the block schedule (sublayers); ``cache=False`` plans the naive
+    hops."""
     end_set = frozenset(ends)
 
-    def n_sources(cut: int) -> int:
-        return 1 + sum(1 for e in ends if e <= cut)
+    def n_sources(cut: int) -> int:  # completed after `cut` layers, the embedding included
+        return 1 + sum(1 for e in ends if e <= 2 * cut)
 
     plans: list[StagePlan] = []
     for s, (first, last) in enumerate(spans):
@@ -100,9 +105,9 @@ def plan_stages(
         take_from = earlier[-1] if earlier else None
         recv = None
         if s > 0:
-            cut = first - 1
-            known = n_sources(spans[take_from][1]) if take_from is not None else 0
-            recv = Hop(cut, cut not in end_set, known, n_sources(cut))
+            cut = first
+            known = n_sources(spans[take_from][1] + 1) if take_from is not None else 0
+            recv = Hop(cut, 2 * cut not in end_set, known, n_sources(cut))
         plans.append(StagePlan(s, first, last, ranks[s], recv, None, take_from, later))
     return [
         dataclasses.replace(p, send=plans[p.index + 1].recv if p.index + 1 < len(plans) else None)
@@ -125,10 +130,13 @@ def hop_table(
     layers: int, dim: int, blocks: int | None, rank: int, variant: str, stages: int, per_rank: int
 ) -> dict:
     """Per token, bytes of every hop (bf16 values, fp32 keys), naive and cached, for ``stages``
-    ranks with ``per_rank`` stages each (loop placement) over an even split of the sublayers."""
+    ranks with ``per_rank`` stages each (loop placement) over an even split of the layers
+    (``cut``: layers before the hop)."""
     m, n = 2 * layers, stages * per_rank
-    cuts = [round(m * (s + 1) / n) for s in range(n)]
-    spans = [(a + 1, b) for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
+    if n > layers:
+        raise ValueError(f"{n} stages need at least {n} layers, got {layers}")
+    cuts = [round(layers * (s + 1) / n) for s in range(n)]
+    spans = [(a, b - 1) for a, b in zip([0, *cuts[:-1]], cuts, strict=True)]
     ranks = [s % stages for s in range(n)]
     ends = schedule_ends(m, blocks)
     projected = variant == "projected"

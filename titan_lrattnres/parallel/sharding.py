@@ -4,13 +4,17 @@ Tensor parallel follows torchtitan's llama3 plan for the stock submodules: ``wqk
 ``w3`` column-sharded, ``wo``, ``w2`` (the projected ``[W^O; W^K]`` included: its rows are the
 output dim, sharding is on the input dim) row-sharded, the head vocabulary-sharded.
 
-Between sublayers the depth state (embedding, block sums, partial, keys) and every read live in
-the activation layout: with sequence parallel (SP) sequence shards, without SP replicated
-(invariant). The depth read is per token, so it runs on either unchanged; the router's
-parameters are then declared the way torchtitan declares norm weights: ``I`` on TP without SP
-(each rank computes the same full gradient), ``R`` with SP (each rank's gradient covers its own
-tokens; the partial sums are reduced over TP). Context parallel: ``parallel/context.py``;
-pipeline parallel: ``parallel/pipeline.py``.
+Each layer is declared as torchtitan declares a llama3 block: ``attention_norm`` and
+``ffn_norm`` with ``norm_config``, the attention and the FFN with torchtitan's helpers. The depth
+stream between layers (h, the embedding, block sums, partial, keys) and every read inside a
+layer live in the activation layout: with sequence parallel (SP) sequence shards, without SP
+replicated (invariant). The depth read is per token (plain aten maths, and the ``lrattnres::``
+ops with the DTensor rules of ``parallel/op_sharding.py``), so it runs on either unchanged. The
+depth parameters -- each layer's ``queries [2, r]`` (declared on the layer) and the projected
+root ``embedding_key`` -- are declared the way torchtitan declares norm weights: ``I`` on TP
+without SP (each rank computes the same full gradient), ``R`` with SP (each rank's gradient
+covers its own tokens; the partial sums are reduced over TP). Context parallel:
+``parallel/context.py``; pipeline parallel: ``parallel/pipeline.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,6 @@ from torchtitan.models.common.decoder_sharding import (
 from torchtitan.protocols.sharding import ShardingConfig
 
 from titan_lrattnres.components.zloss import ZLossCrossEntropy
-from titan_lrattnres.model.depth import query_names
 from titan_lrattnres.parallel import op_sharding  # noqa: F401  (DTensor rules for the lrattnres:: ops)
 from titan_lrattnres.parallel.context import check_context_parallel
 from titan_lrattnres.parallel.pipeline_plan import check_schedule
@@ -54,7 +57,9 @@ def configure_parallelism(config, trainer_config) -> None:
         set_tensor_parallel(config, trainer_config, tp)
 
 
-def _router_params(*names: str, enable_sp: bool) -> ShardingConfig:
+def depth_params(*names: str, enable_sp: bool) -> ShardingConfig:
+    """The layout of depth parameters ``names`` (a layer's ``queries``, the embedding key's
+    ``weight``): replicated on DP and CP, ``R`` on TP with SP, ``I`` without."""
     tp = spmd.R if enable_sp else spmd.I
     return ShardingConfig(state_shardings={n: dense_param_placement(tp=tp) for n in names})
 
@@ -67,20 +72,15 @@ def set_sharding_config(config, *, enable_sp: bool) -> None:
         dense_sequence_parallel_placement() if enable_sp else dense_activation_placement(tp=spmd.I)
     )
     for layer in config.layers:
-        layer.norm.sharding_config = norm_config(enable_sp=enable_sp)
-        if layer.attention is not None:
-            set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp)
-            set_gqa_inner_attention_local_map(layer.attention.inner_attention)
-        else:
-            set_dense_ffn_sharding(
-                layer.feed_forward, attn_x_layout=activation, enable_sp=enable_sp
-            )
-    router = config.router
-    if router.variant != "baseline":
-        queries = query_names(router.num_sublayers)
-        router.sharding_config = _router_params(*queries, enable_sp=enable_sp)
-    if router.embedding_key is not None:
-        router.embedding_key.sharding_config = _router_params("weight", enable_sp=enable_sp)
+        layer.attention_norm.sharding_config = norm_config(enable_sp=enable_sp)
+        layer.ffn_norm.sharding_config = norm_config(enable_sp=enable_sp)
+        set_gqa_attention_sharding(layer.attention, enable_sp=enable_sp)
+        set_gqa_inner_attention_local_map(layer.attention.inner_attention)
+        set_dense_ffn_sharding(layer.feed_forward, attn_x_layout=activation, enable_sp=enable_sp)
+        if layer.depth.routed:
+            layer.sharding_config = depth_params("queries", enable_sp=enable_sp)
+    if config.embedding_key is not None:
+        config.embedding_key.sharding_config = depth_params("weight", enable_sp=enable_sp)
 
 
 # The vocabulary-parallel losses: each TP rank holds a vocabulary shard of the logits, and the

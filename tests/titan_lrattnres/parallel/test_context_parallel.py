@@ -8,7 +8,7 @@ all-gathered over CP with their gradients reduce-scattered back; FSDP2 over ``dp
 on the project's model, with ``DenseFlexAttention`` as the kernel, against one process on the
 whole sequence from the same weights: loss and every parameter's gradient within
 ``gpu_cp.TOL["cpu"]`` = 1e-5 relative (measured at T=256: loss <= 1.2e-7, gradients <= 1.2e-6,
-the router's queries the largest: the ranks' partial gradients are summed in another order).
+a layer's queries the largest: the ranks' partial gradients are summed in another order).
 """
 
 from __future__ import annotations
@@ -50,20 +50,23 @@ def test_cp_refuses_sdpa_with_the_reason():
 
 def test_cp_refuses_the_partial_dtensor_backend():
     c = _config("flex", spmd_backend="partial_dtensor")
-    with pytest.raises(NotImplementedError, match="MLP sublayers do not have"):
+    with pytest.raises(
+        NotImplementedError, match="not checked with parallelism.spmd_backend='partial_dtensor'"
+    ):
         c.model_spec.model.update_from_config(config=c)
 
 
 @pytest.mark.parametrize("sp", [False, True])
 def test_cp_layouts(sp):
-    """What CP relies on: the router's parameters replicated on CP (FSDP2 over dp_shard x cp
+    """What CP relies on: the depth parameters (each layer's queries, the embedding key)
+    replicated on CP (FSDP2 over dp_shard x cp
     sums their gradients), every attention's keys and values gathered over CP with their
     gradients partial (reduce-scattered back to their owners), queries left sequence-sharded."""
     c = _config("flex", tensor_parallel_degree=2 if sp else 1, enable_sequence_parallel=sp)
     m = c.model_spec.model
     m.update_from_config(config=c)
-    router = [(m.router, f"query_{t}") for t in range(1, 5)]
-    for cfg, name in (*router, (m.router.embedding_key, "weight")):
+    queries = [(layer, "queries") for layer in m.layers]
+    for cfg, name in (*queries, (m.embedding_key, "weight")):
         layout = cfg.sharding_config.state_shardings[name]
         assert layout.axis_types[CP] is spmd.R
         assert layout.axis_types[TP] is (spmd.R if sp else spmd.I)
@@ -119,13 +122,13 @@ def test_cp2_equals_one_process():
     tol = gpu_cp.TOL["cpu"]
     for case, res in r["results"].items():
         assert "error" not in res, (case, res.get("traceback"))
-        sublayers = {f"layers.{i}.{w}.weight" for i in (0, 2) for w in ("attention.wo",
-                     "attention.qkv_linear.wqkv")}  # fmt: skip
-        sublayers |= {f"layers.{i}.feed_forward.w{j}.weight" for i in (1, 3) for j in (1, 2, 3)}
-        want = {"tok_embeddings.weight", "lm_head.weight", *sublayers}
-        want |= {f"router.query_{t}" for t in range(1, 5)}
+        layers = {f"layers.{i}.{w}.weight" for i in (0, 1) for w in ("attention.wo",
+                  "attention.qkv_linear.wqkv")}  # fmt: skip
+        layers |= {f"layers.{i}.feed_forward.w{j}.weight" for i in (0, 1) for j in (1, 2, 3)}
+        want = {"tok_embeddings.weight", "lm_head.weight", *layers}
+        want |= {f"layers.{i}.queries" for i in (0, 1)}
         if case.startswith("projected"):
-            want.add("router.embedding_key.weight")
+            want.add("embedding_key.weight")
         assert set(res["grad_rel_err"]) == want, case
         assert all(n > 0 for n in res["ref_grad_norm"].values()), case
         assert res["loss_rel_err"] <= tol, (case, res["loss_rel_err"])

@@ -96,19 +96,21 @@ def _trainer_config(**parallelism):
 def test_every_norm_has_its_own_config_and_layout():
     c = _trainer_config(tensor_parallel_degree=2)
     m = c.model_spec.model
-    norms = [layer.norm for layer in m.layers] + [m.norm]
+    norms = [n for layer in m.layers for n in (layer.attention_norm, layer.ffn_norm)] + [m.norm]
     assert len({id(n) for n in norms}) == len(norms)
     m.update_from_config(config=c)
-    sublayer = m.layers[0].norm.sharding_config
-    assert sublayer.out_dst_shardings is None  # stays a sequence shard
+    for norm in norms[:-1]:
+        layer = norm.sharding_config
+        assert layer.out_dst_shardings is None  # stays a sequence shard
+        assert layer.in_src_shardings["input"].partition_spec is not None  # SP: sequence shards
     assert m.norm.sharding_config.out_dst_shardings is not None  # gathered for the head
-    assert sublayer.in_src_shardings["input"].partition_spec is not None  # SP: sequence shards
 
 
 @pytest.mark.parametrize("sp, axis_type", [(True, "R"), (False, "I")])
-def test_router_parameters_on_the_tp_axis(sp, axis_type):
-    """``I`` without SP (every rank computes the whole gradient: no reduction, exact norm), ``R``
-    with SP (each rank's gradient covers its tokens)."""
+def test_depth_parameters_on_the_tp_axis(sp, axis_type):
+    """Each layer's ``queries`` and the root ``embedding_key``: ``I`` without SP (every rank
+    computes the whole gradient: no reduction, exact norm), ``R`` with SP (each rank's gradient
+    covers its tokens)."""
     import spmd_types as spmd
     from torchtitan.distributed.parallel_dims import MeshAxisName
 
@@ -119,9 +121,11 @@ def test_router_parameters_on_the_tp_axis(sp, axis_type):
     m = c.model_spec.model
     m.update_from_config(config=c)
     want = {"R": spmd.R, "I": spmd.I}[axis_type]
-    queries = [(m.router, f"query_{t}") for t in range(1, 5)]
-    assert len(m.router.sharding_config.state_shardings) == 4  # every read site's query
-    for cfg, name in (*queries, (m.router.embedding_key, "weight")):
+    queries = [(layer, "queries") for layer in m.layers]
+    assert len(queries) == 2
+    for layer in m.layers:  # the layer's own parameter (its sublayers declare theirs)
+        assert list(layer.sharding_config.state_shardings) == ["queries"]
+    for cfg, name in (*queries, (m.embedding_key, "weight")):
         layout = cfg.sharding_config.state_shardings[name]
         assert layout.axis_types[MeshAxisName.TP] is want
 
@@ -166,6 +170,8 @@ CASES = {
         True,
         ["--debug.spmd_typechecking"],
     ),
+    # phase 1 as aten maths (the reference backend) on the sequence shards, type-checked
+    "projected_reference_sp_typechecked": ("projected_ref", True, ["--debug.spmd_typechecking"]),
     "standard_full_sp_compiled": (
         "attnres_full",
         True,
