@@ -3,9 +3,9 @@
 For every read site t = 1..2L the routing weights over its sources are recomputed with the eager
 reference maths (``custom_ops.reference.depth_logits`` + softmax, fp32) while the model's own
 forward runs unchanged (:func:`capture_routing` runs the model's own depth loop,
-``LRAttnResModel.run_depth``, and reads ``router.sources(state)`` / ``router.query(t)`` at each
-site), so the analysed numbers are
-those of the model, whatever depth backend it uses.
+``LRAttnResModel.run_layers``, each layer through ``Layer.run`` with an ``on_read`` that sees
+every site's whole source set and query), so the analysed numbers are those of the model,
+whatever depth backend it uses.
 
 Per site, over all analysed tokens (α ``[S_t, tokens]``):
 - mean routing weight per source slot (source slot = position in S_t: embedding, then
@@ -74,16 +74,19 @@ def capture_routing(model, tokens: torch.Tensor) -> tuple[torch.Tensor, list[tor
         raise ValueError("the baseline variant has no depth routing (standard residual stream)")
     alphas = []
 
-    def on_read(j, state):
-        values, keys = router.sources(state)
+    def on_read(t, values, keys, query):
         if keys is None:
             keys = reference.sliced_keys(values, router.rank)
-        logits = reference.depth_logits(keys, router.query(j), router.eps)
+        logits = reference.depth_logits(keys, query, router.eps)
         alphas.append(torch.softmax(logits, dim=0))
 
-    h = model.run_depth(
-        model.tok_embeddings(tokens), lambda j, layer, h, read: layer(h, None, None, read), on_read
-    )
+    def call(layer, *stream):
+        def attend(x):
+            return layer.attention(x, None, None)
+
+        return layer.run(attend, *stream, on_read=on_read)
+
+    h = model.run_layers(model.start(model.tok_embeddings(tokens)), call)[0]
     return model.lm_head(model.norm(h)), alphas
 
 

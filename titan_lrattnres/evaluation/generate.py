@@ -1,11 +1,11 @@
 """Autoregressive generation with a KV cache, for every variant.
 
-torchtitan's ``GQAttention`` has no cache, so :func:`forward_cached` re-runs the model's own
-modules (``qkv_linear``, ``q_norm`` / ``k_norm``, ``rope`` with explicit positions, ``wo``;
-``feed_forward``; the depth ``router``) on the new tokens only, with attention over the cached
-keys / values of every attention sublayer. Depth routing is per token: a new token's depth
-sources are its own sublayer outputs, so the KV cache is all that decoding keeps between steps
-(no depth cache survives across steps).
+torchtitan's ``GQAttention`` has no cache, so :func:`forward_cached` runs the model's own depth
+loop (``model.start`` / ``run_layers``) on the new tokens only, each layer through ``Layer.run``
+with an attention of its own: the layer's modules (``qkv_linear``, ``q_norm`` / ``k_norm``,
+``rope`` with explicit positions, ``wo``) over the cached keys / values of that layer. Depth
+routing is per token: a new token's depth sources are its own sublayer outputs, so the KV cache
+is all that decoding keeps between steps (no depth cache survives across steps).
 
 Exactness: RoPE with ``positions = [[p, ..., p+T-1]]`` reads the same rows of the same cache as
 the full forward does for those positions, so cached and full logits differ only by the order of
@@ -31,7 +31,8 @@ STATIC_ROWS = 256  # a compiled decode's cache length is a multiple of this (or 
 
 
 class KVCache:
-    """Keys / values after RoPE of every attention sublayer: ``[B, max_len, n_kv_heads, hd]``.
+    """Keys / values after RoPE of every layer's attention, by layer index:
+    ``[B, max_len, n_kv_heads, hd]``.
 
     ``static=False`` (eager decoding): attention reads the filled rows ``[:length]``.
     ``static=True`` (the compiled path): the write position is a tensor (``pos``) and attention
@@ -47,17 +48,16 @@ class KVCache:
         p = next(model.parameters())
         device = device or p.device
         self.pos = torch.zeros((), dtype=torch.long, device=device)  # == length, as a tensor
-        for j, layer in enumerate(model.layers.values(), start=1):
-            if layer.attention is not None:
-                a = layer.attention
-                shape = (batch, max_len, a.n_kv_heads, a.head_dim)
-                self.k[j] = torch.zeros(shape, dtype=dtype or p.dtype, device=device)
-                self.v[j] = torch.zeros_like(self.k[j])
-                if static and torch.device(device).type == "cuda":
-                    # written in place inside a CUDA graph: a graph may mutate static inputs
-                    # only; guard=False so a new cache re-records the graph, not recompiles
-                    for t in (self.k[j], self.v[j]):
-                        torch._dynamo.mark_static_address(t, guard=False)
+        for i, layer in enumerate(model.layers.values()):
+            a = layer.attention
+            shape = (batch, max_len, a.n_kv_heads, a.head_dim)
+            self.k[i] = torch.zeros(shape, dtype=dtype or p.dtype, device=device)
+            self.v[i] = torch.zeros_like(self.k[i])
+            if static and torch.device(device).type == "cuda":
+                # written in place inside a CUDA graph: a graph may mutate static inputs
+                # only; guard=False so a new cache re-records the graph, not recompiles
+                for t in (self.k[i], self.v[i]):
+                    torch._dynamo.mark_static_address(t, guard=False)
 
     def reset(self) -> None:
         """Empty, as new (rows zeroed), at the same addresses."""
@@ -81,36 +81,38 @@ class KVCache:
         self.length += t
         self.pos.fill_(self.length)
 
-    def append(self, j: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Write the new tokens' ``k, v [B, T, n_kv, hd]`` at ``positions [1, T]``; return
-        ``(keys, values, mask)`` to attend to (mask None: causal within the new tokens)."""
+    def append(self, i: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Write layer ``i``'s new tokens' ``k, v [B, T, n_kv, hd]`` at ``positions [1, T]``;
+        return ``(keys, values, mask)`` to attend to (mask None: causal within the new tokens)."""
         t = k.shape[1]
         if self.static:
-            self.k[j].index_copy_(1, positions[0], k)
-            self.v[j].index_copy_(1, positions[0], v)
+            self.k[i].index_copy_(1, positions[0], k)
+            self.v[i].index_copy_(1, positions[0], v)
             rows = torch.arange(self.max_len, device=k.device)
-            return self.k[j], self.v[j], rows[None, :] <= positions[0][:, None]
+            return self.k[i], self.v[i], rows[None, :] <= positions[0][:, None]
         start, end = self.length, self.length + t  # room reserved by the caller
-        self.k[j][:, start:end] = k
-        self.v[j][:, start:end] = v
+        self.k[i][:, start:end] = k
+        self.v[i][:, start:end] = v
         mask = None
         if 1 < t < end:  # a chunk after a prefix: causal within the chunk, the prefix visible
             mask = torch.ones(t, end, dtype=torch.bool, device=k.device).tril(end - t)
-        return self.k[j][:, :end], self.v[j][:, :end], mask
+        return self.k[i][:, :end], self.v[i][:, :end], mask
 
 
 def max_seq_len(model) -> int:
     """The longest sequence RoPE supports (its precomputed cache)."""
-    first = next(layer for layer in model.layers.values() if layer.attention is not None)
+    first = next(iter(model.layers.values()))
     return first.attention.rope.cache.shape[0]
 
 
-def _attention_cached(attn, x, cache: KVCache, j: int, positions: torch.Tensor):
+def _attention_cached(attn, x, cache: KVCache, i: int, positions: torch.Tensor):
+    """Layer ``i``'s attention of ``x`` (its normed input) over its cached keys / values and
+    the new ones (written to the cache)."""
     xq, xk, xv = attn.qkv_linear(x)
     if attn.q_norm is not None:
         xq, xk = attn.q_norm(xq), attn.k_norm(xk)
     xq, xk = attn.rope(xq, xk, positions)
-    k, v, mask = cache.append(j, xk, xv, positions)
+    k, v, mask = cache.append(i, xk, xv, positions)
     t, s = xq.shape[1], k.shape[1]
     out = F.scaled_dot_product_attention(
         xq.transpose(1, 2),
@@ -124,30 +126,28 @@ def _attention_cached(attn, x, cache: KVCache, j: int, positions: torch.Tensor):
     return attn.wo(out.transpose(1, 2).contiguous().flatten(2))
 
 
-def _sublayer_cached(layer, h, read, cache: KVCache, j: int, positions: torch.Tensor):
-    """``Sublayer.forward`` with attention over the KV cache (same pre- and post-processing)."""
-    h = layer.read_input(h, read)
-    x = layer.norm(h)
-    if layer.attention is not None:
-        y = _attention_cached(layer.attention, x, cache, j, positions)
-    else:
-        y = layer.feed_forward(x)
-    return layer.write(h, y, read)
-
-
 def _forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     positions = cache.positions(tokens.shape[1])
-    h = model.run_depth(
-        model.tok_embeddings(tokens),
-        lambda j, layer, h, read: _sublayer_cached(layer, h, read, cache, j, positions),
-    )
+    done = [0]  # layers run so far: the next layer's index (run_layers goes in order)
+
+    def call(layer, *stream):
+        i = done[0]
+        done[0] = i + 1
+
+        def attend(x):
+            return _attention_cached(layer.attention, x, cache, i, positions)
+
+        return layer.run(attend, *stream)
+
+    h = model.run_layers(model.start(model.tok_embeddings(tokens)), call)[0]
     return model.lm_head(model.norm(h))
 
 
 @torch.no_grad()
 def forward_cached(model, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits ``[B, T, V]`` of ``tokens [B, T]`` at positions ``cache.length ..``; the cache
-    grows by T. The model's own depth loop (``run_depth``) with cached attention sublayers."""
+    grows by T. The model's own depth loop (``start`` / ``run_layers``), each layer's
+    ``Layer.run`` with its attention over the KV cache."""
     cache.reserve(tokens.shape[1])
     logits = _forward_cached(model, tokens, cache)
     cache.advance(tokens.shape[1])

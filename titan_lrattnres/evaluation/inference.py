@@ -10,8 +10,13 @@ Two checkpoint formats are accepted by :func:`load_model`:
   ``model_args.json`` (else the trainer's ``summary.json``, which records flavor, variant,
   blocks and rank) found in the checkpoint folder or up to three folders above it.
   torchtitan's checkpointer flattens the model state to the top level of the DCP state
-  (``layers.0.attention.wo.weight``, ``router.query_1``); a ``model.``-prefixed layout, as
+  (``layers.0.attention.wo.weight``, ``layers.0.queries``); a ``model.``-prefixed layout, as
   ``dcp.save({"model": model.state_dict()})`` writes it, is read too.
+
+Either format in an earlier layout of the parameters (per sublayer: ``layers.{2i}.attention``,
+``layers.{2i+1}.feed_forward``, ``router.query_<t>``, ``router.embedding_key``; or one
+``router.query_bank``) is refused with the command that converts it
+(``python -m titan_lrattnres.convert FOLDER``).
 
 The model arguments are the keyword arguments of
 :func:`titan_lrattnres.model.registry.build_model_config` (``flavor, variant, blocks, rank, eps,
@@ -24,6 +29,7 @@ import contextlib
 import json
 import re
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -92,13 +98,45 @@ def build_model(
 @contextlib.contextmanager
 def depth_backend(model, backend: str):
     """Run ``model``'s depth reads with ``backend`` inside the block (same weights: the backend
-    is how the router computes a read, not what it holds); restored on exit."""
-    router = model.router
-    old, router.backend = router.backend, backend
+    is how the layers compute a read, not what they hold); restored on exit."""
+    old = model.router.backend
+    model.set_depth_backend(backend)
     try:
         yield model
     finally:
-        router.backend = old
+        model.set_depth_backend(old)
+
+
+# -- earlier layouts ------------------------------------------------------------------------------
+_SUBLAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(attention|feed_forward)\.")
+
+
+def old_layout(keys: Iterable[str]) -> str | None:
+    """What marks flattened state-dict ``keys`` as an earlier layout of the parameters, None for
+    the current one (one entry of ``layers`` per layer, holding attention and MLP): a
+    ``router.`` parameter (per-site queries, the one-bank ``router.query_bank``, the embedding's
+    key), or a layer entry with an MLP and no attention (one sublayer per entry)."""
+    kinds: dict[str, set[str]] = {}
+    for key in keys:
+        if key.startswith("router.") or ".router." in key:
+            return f"'{key}'"
+        if m := _SUBLAYER.search(key):
+            kinds.setdefault(m.group(1), set()).add(m.group(2))
+    for index, found in sorted(kinds.items()):
+        if found == {"feed_forward"}:
+            return f"'layers.{index}' holds an MLP without attention (one sublayer per entry)"
+    return None
+
+
+def refuse_old_layout(keys: Iterable[str], folder) -> None:
+    """Raise ``convert.OldLayoutError`` (one line, with the converting command) when ``keys``
+    are in an earlier layout (:func:`old_layout`)."""
+    found = old_layout(keys)
+    if found is not None:
+        raise convert.OldLayoutError(
+            f"checkpoint {folder} is in an earlier parameter layout ({found}); convert it once "
+            f"with `python -m titan_lrattnres.convert {folder}`"
+        )
 
 
 # -- safetensors export --------------------------------------------------------------------------
@@ -194,9 +232,8 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     integrity.check(folder)
     reader = FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
-    own = list(model.state_dict())
-    old = convert.is_old_layout(stored)  # one-bank queries: read the bank, split it per site
-    read = [k for k in own if not k.startswith("router.query_")] + [convert.OLD] if old else own
+    refuse_old_layout(stored, folder)
+    read = list(model.state_dict())
     prefix = "" if all(k in stored for k in read) else "model."
     missing = [k for k in read if prefix + k not in stored]
     if missing:
@@ -218,10 +255,7 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
             raise integrity.CheckpointIntegrityError(
                 f"checkpoint {folder} cannot be read ({integrity.unpickle_error(cause)})"
             ) from e
-    state = {k.removeprefix(prefix): v for k, v in state.items()}
-    if old:
-        state = convert.split_queries(state, sites=state[convert.OLD].shape[0])
-    model.load_state_dict({k: state[k] for k in own}, strict=True)
+    model.load_state_dict({k.removeprefix(prefix): v for k, v in state.items()}, strict=True)
 
 
 # -- the one entry point ----------------------------------------------------------------------
@@ -260,8 +294,10 @@ def load_model(
         from safetensors.torch import load_file
 
         args = model_args or _read_export_config(folder)
+        state = load_file(str(folder / WEIGHTS_FILE))
+        refuse_old_layout(state, folder)
         model = build_model(args, depth_backend=depth_backend, device=device)
-        model.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
+        model.load_state_dict(state, strict=True)
         return model, clean_model_args(args)
     if model_args is None:
         model_args = find_model_args(folder) or find_model_args(Path(path))
@@ -331,7 +367,7 @@ def load_from_cli(ns) -> tuple[torch.nn.Module, dict[str, Any], Path]:
         raise SystemExit("give --checkpoint PATH or --run DIR")
     try:
         model, args = load_model(path, model_args=ns.model_args, depth_backend=ns.depth_backend)
-    except integrity.CheckpointIntegrityError as e:
+    except (integrity.CheckpointIntegrityError, convert.OldLayoutError) as e:
         raise SystemExit(f"error: {e}") from None
     return model, args, Path(path)
 

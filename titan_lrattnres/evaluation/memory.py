@@ -2,15 +2,16 @@
 ``measure(Case(...))``. The sweep's memory column; the command with its table of variants is
 ``python -m benchmarks.memory``.
 
-Why: the routed variants keep every block's (or every sublayer's) output alive across the
-depth loop, so their activation memory is not the baseline's; the paper's shape does not fit a
-CPU, nor always a GPU. How: the project's model is built under ``FakeTensorMode`` (shapes,
-dtypes and storages, no data), parallelized as torchtitan's ``parallelize_llama`` does it (the
-AC policy on every entry of ``model.layers`` -- one sublayer each --, then FSDP2 through
-``apply_fsdp_to_decoder``: parameters in ``--dtype``, fp32 master weights and reductions) over a
-fake process group of the FSDP size, and one training step runs as torchtitan's ``train_step``
-does: ``zero_grad(set_to_none)``, forward with the chunked LM head + loss (``ChunkedLossWrapper``,
-8 chunks; CE + z-loss with the paper recipe), backward, gradient clipping, optimizer step.
+Why: the routed variants keep every block's (Block) or every sublayer's (Full) output alive
+across the depth loop, so their activation memory is not the baseline's; the paper's shape does
+not fit a CPU, nor always a GPU. How: the project's model is built under ``FakeTensorMode``
+(shapes, dtypes and storages, no data), parallelized as torchtitan's ``parallelize_llama`` does
+it (the AC policy on every entry of ``model.layers`` -- one layer each: attention, MLP and the
+reads of its two sites --, then FSDP2 through ``apply_fsdp_to_decoder``: parameters in
+``--dtype``, fp32 master weights and reductions) over a fake process group of the FSDP size, and
+one training step runs as torchtitan's ``train_step`` does: ``zero_grad(set_to_none)``, forward
+with the chunked LM head + loss (``ChunkedLossWrapper``, 8 chunks;
+CE + z-loss with the paper recipe), backward, gradient clipping, optimizer step.
 ``FSDPMemTracker`` (torch.distributed._tools) counts every storage by category as it is created
 and freed. Steady state: the optimizer state exists before the step (one zero-gradient step
 first, torchtitan's ``init_optim_state``).
@@ -24,7 +25,7 @@ both at the moment of the total's peak and as each category's own maximum over t
 
 What it does not see: memory allocated inside a kernel and not through a tensor (e.g. Triton
 scratch), the caching allocator's fragmentation and rounding beyond 512 B blocks, NCCL buffers,
-and compiled sublayers (the step runs eager; inductor's partitioner saves fewer activations).
+and compiled layers (the step runs eager; inductor's partitioner saves fewer activations).
 Attention runs as SDPA (CPU flash: output + log-sum-exp saved, as flash / FlexAttention do on a
 GPU; selective AC saves it as it saves those). ``tests/benchmarks/test_memory.py`` holds the
 tracker to a real CPU run (``measure_real``) at a small shape; ``benchmarks/gpu_check.py``'s
@@ -192,7 +193,7 @@ def _selective_ac():
 
 
 def apply_ac(model, mode: str) -> None:
-    """The AC mode on every entry of ``model.layers`` (one sublayer each), as torchtitan does."""
+    """The AC mode on every entry of ``model.layers`` (one layer each), as torchtitan does."""
     from torchtitan.distributed.activation_checkpoint import FullAC
 
     if mode == "full":
@@ -259,9 +260,6 @@ def build(case: Case, mesh, device: str = "cpu"):
         attn_backend="sdpa",
         **schedule_kwargs(blocks, case.block_layers),
     )
-    # as the model config does under the trainer: with AC every read is recomputed in the
-    # backward and the sublayer reading h keeps no copy of it
-    config.router.recompute_reads = case.ac != "none"
     dev = torch.device(device)
     with torch.device(dev):
         model = config.build()

@@ -22,7 +22,7 @@ def _model(variant, blocks, queries="random", seed=0):
     args = dict(flavor="debug", variant=variant, blocks=blocks, rank=16)
     model = build_model(args, depth_backend="reference")
     with torch.no_grad():
-        for q in model.router.query_params():
+        for q in model.depth_queries():
             q.normal_(0, 2.0) if queries == "random" else q.zero_()
     return model, args
 

@@ -78,9 +78,9 @@ def test_exported_program_dynamic_shapes(variant, blocks, backend):
     ],
 )
 def test_fused_backend_keeps_custom_op_nodes(variant, blocks, expected):
-    """Fails (never skips) if the lrattnres:: ops are not registered. The phase-2 merges are
-    traced as the reference's aten ops inside the sublayer that reads them (``Sublayer
-    .read_input``), for the compiler to fuse; each block's phase-1 read stays one op."""
+    """Fails (never skips) if the lrattnres:: ops are not registered. The merges with what a
+    layer adds since phase 1 are traced as the reference's aten ops inside the layer
+    (``depth.site_read``), for the compiler to fuse; each layer's phase-1 read stays one op."""
     model, _ = trained(variant, blocks, "auto", steps=0)
     assert set(export.custom_op_nodes(export.export_program(model))) == expected
     ref, _ = trained(variant, blocks, "reference", steps=0)
@@ -119,6 +119,53 @@ def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
     assert rebuilt_args == args
     for k, v in model.state_dict().items():
         assert torch.equal(rebuilt.state_dict()[k], v), k
+
+
+def _per_sublayer_layout(state: dict) -> dict:
+    """``state`` in the earlier per-sublayer layout: layer i's attention at entry 2i, its MLP
+    at 2i+1, one ``router.query_<t>`` per read site, ``router.embedding_key``."""
+    old = {}
+    for key, value in state.items():
+        parts = key.split(".")
+        if parts[0] == "layers" and parts[2] == "queries":
+            i = int(parts[1])
+            old[f"router.query_{2 * i + 1}"], old[f"router.query_{2 * i + 2}"] = value
+        elif parts[0] == "layers":
+            j = 2 * int(parts[1]) + (parts[2] == "feed_forward")
+            old[".".join(["layers", str(j), *parts[2:]])] = value
+        else:
+            old["router." + key if key.startswith("embedding_key") else key] = value
+    return old
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors"])
+def test_earlier_layouts_are_refused_with_the_converting_command(kind, tmp_path):
+    from safetensors.torch import save_file
+
+    from titan_lrattnres.components.convert import OldLayoutError
+    from titan_lrattnres.evaluation.inference import old_layout, save_safetensors
+
+    model, args = trained("projected", 2, steps=0)
+    old = _per_sublayer_layout(model.state_dict())
+    assert old_layout(model.state_dict()) is None
+    run = tmp_path / "run"
+    if kind == "dcp":
+        folder = run / "checkpoint" / "step-1"
+        dcp.save(old, checkpoint_id=str(folder))
+        (run / "model_args.json").write_text(json.dumps(args))
+    else:
+        folder = save_safetensors(model, args, run)
+        save_file({k: v.contiguous() for k, v in old.items()}, str(folder / "model.safetensors"))
+    with pytest.raises(OldLayoutError) as refused:
+        load_model(run)
+    message = str(refused.value)
+    assert f"`python -m titan_lrattnres.convert {folder}`" in message and "\n" not in message
+    with pytest.raises(SystemExit, match="python -m titan_lrattnres.convert"):
+        export.main(["--run", str(run), "--out", str(tmp_path / "out"), "--format", "export"])
+    # the baseline's earlier layout has no router parameter: one sublayer per entry tells it
+    baseline, _ = trained("baseline", None, steps=0)
+    assert "MLP without attention" in old_layout(_per_sublayer_layout(baseline.state_dict()))
+    assert old_layout(["router.query_bank", "tok_embeddings.weight"]) == "'router.query_bank'"
 
 
 def test_unknown_format_is_refused(tmp_path):

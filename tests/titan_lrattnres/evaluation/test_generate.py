@@ -49,7 +49,7 @@ def test_greedy_cached_equals_uncached(variant, blocks):
 def test_fused_depth_backend_decodes_like_reference():
     ref, _ = trained("sliced", 3)
     fused, _ = trained("sliced", 3)
-    fused.router.backend = "auto"
+    fused.set_depth_backend("auto")
     prompt = torch.randint(0, 256, (1, 5))
     assert torch.equal(gen.generate(ref, prompt, 10), gen.generate(fused, prompt, 10))
 

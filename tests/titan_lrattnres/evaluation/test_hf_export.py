@@ -61,7 +61,7 @@ def _model(variant, schedule, seed=0):
     args = dict(flavor=FLAVOR, variant=variant, rank=16, **schedule)
     model = build_model(args, depth_backend="reference")
     with torch.no_grad():
-        for q in model.router.query_params():
+        for q in model.depth_queries():
             q.normal_(0, 1.5 / q.shape[-1] ** 0.5)
     return model
 

@@ -6,12 +6,12 @@ files, so that ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=
 offline without this package. Weight names (torchtitan state dict -> transformers):
 
     tok_embeddings / lm_head              first V (real vocabulary) rows only
-    layers.{2i}.attention.qkv_linear.w{q,k,v}  -> model.layers.{i}.self_attn.{q,k,v}_proj
-    layers.{2i}.attention.wo   [d (+ r)]  -> self_attn.o_proj (first d rows), .depth_key_proj (r)
-    layers.{2i+1}.feed_forward.w1 / w3    -> mlp.gate_proj / mlp.up_proj
-    layers.{2i+1}.feed_forward.w2 [d (+ r)] -> mlp.down_proj (first d rows), mlp.depth_key_proj
-    router.query_{t}, t = 1..2L           -> model.router.queries [2L, r] (fp32)
-    router.embedding_key                  -> model.router.embedding_key
+    layers.{i}.attention.qkv_linear.w{q,k,v}  -> model.layers.{i}.self_attn.{q,k,v}_proj
+    layers.{i}.attention.wo   [d (+ r)]   -> self_attn.o_proj (first d rows), .depth_key_proj (r)
+    layers.{i}.feed_forward.w1 / w3       -> mlp.gate_proj / mlp.up_proj
+    layers.{i}.feed_forward.w2 [d (+ r)]  -> mlp.down_proj (first d rows), mlp.depth_key_proj
+    layers.{i}.queries [2, r], i = 0..L-1 -> model.router.queries [2L, r] (fp32; row t-1 = site t)
+    embedding_key                         -> model.router.embedding_key
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ def hf_config(model, **extra) -> LRAttnResConfig:
     flavor, variant and schedule maps without the registry's defaults)."""
     router = model.router
     layers = list(model.layers.values())
-    attn, ffn = layers[0].attention, layers[1].feed_forward
-    m = len(layers)
+    attn, ffn = layers[0].attention, layers[0].feed_forward
+    m = 2 * len(layers)  # sublayers
     rope = attn.rope.config
     if rope.scaling != "none":
         raise NotImplementedError(f"RoPE scaling {rope.scaling!r} has no HF port here")
-    eps = {model.norm.eps, layers[0].norm.eps}
+    eps = {model.norm.eps, layers[0].attention_norm.eps, layers[0].ffn_norm.eps}
     if attn.q_norm is not None:
         eps |= {attn.q_norm.eps, attn.k_norm.eps}
     if len(eps) != 1:
@@ -100,7 +100,7 @@ def convert_state_dict(state: dict[str, torch.Tensor], config: LRAttnResConfig) 
             raise ValueError(f"{name} has {w.shape[0]} rows, expected d = {d}")
 
     for i in range(n):
-        a, f = f"layers.{2 * i}.attention.", f"layers.{2 * i + 1}.feed_forward."
+        a, f = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
         sa, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for x in "qkv":
             out[f"{sa}{x}_proj.weight"] = take(f"{a}qkv_linear.w{x}.weight")
@@ -109,10 +109,11 @@ def convert_state_dict(state: dict[str, torch.Tensor], config: LRAttnResConfig) 
         out[mlp + "up_proj.weight"] = take(f + "w3.weight")
         split(f + "w2.weight", "down_proj.weight", mlp)
     if config.variant != "baseline":
-        queries = [take(f"router.query_{t}") for t in range(1, 2 * n + 1)]
-        out["model.router.queries"] = torch.stack(queries).float()
+        # layer i's rows: sites 2i+1 and 2i+2, so the layers in order are the sites in order
+        queries = [take(f"layers.{i}.queries") for i in range(n)]
+        out["model.router.queries"] = torch.cat(queries).float()
     if projected:
-        out["model.router.embedding_key.weight"] = take("router.embedding_key.weight")
+        out["model.router.embedding_key.weight"] = take("embedding_key.weight")
     if left:
         raise ValueError(f"unmapped checkpoint tensors: {sorted(left)[:8]}")
     return {
@@ -177,5 +178,5 @@ def export_hf(model, out_dir: str | Path, *, tokenizer=None) -> dict:
 
 
 def model_max_len(model) -> int:
-    first = next(layer for layer in model.layers.values() if layer.attention is not None)
+    first = next(iter(model.layers.values()))
     return first.attention.rope.config.max_seq_len
