@@ -6,7 +6,8 @@ revision's, side by side in one process.
         [--ops]
 
 Both libraries are built with ``custom_ops.cpu.build`` (same compiler and flags). For each shape
-(the model's: a phase-1 read of S sources for C sites, a merge) every kernel entry point is timed
+(the model's: a layer's phase-1 read of S completed sources for its C = 2 sites, and a merge
+with a partial, ``merge_partial``'s kernels) every kernel entry point is timed
 on the same tensors, the two libraries alternating call by call, each call after a 32 MB copy
 that evicts the caches (in a training step the read's data is cold), freed memory kept as the
 CPU trainer keeps it (``titan_lrattnres.training.cpu.keep_freed_memory``: fresh outputs do not
@@ -15,8 +16,8 @@ difference between the two libraries' results (the work timed is the same). This
 noise moves single calls by tens of percent; the alternation keeps it out of the ratio.
 
 ``--model LAYERS,DIM,SEQ`` times the project's own model instead (``benchmarks.overhead.build``:
-sublayers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
-steps alternating between the two libraries (the compiled sublayers are shared, only the depth
+layers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
+steps alternating between the two libraries (the compiled layers are shared, only the phase-1
 read's C code differs), so the ratio is what the kernel change does to a training step. With
 ``--ops`` every step runs under ``torch.profiler`` and each depth op's self time in the step is
 reported too: a change of a few ms a step is lost in the step's noise, not in its ops' times.
@@ -40,18 +41,20 @@ from custom_ops import cpu
 
 # name: (keys, S sources, C sites, tokens, d, r[, logit sd]); "standard" is r = d with the value
 # as key. Queries ~ N(0, sd^2 / r): logits of sd ~ 1 (default), or a routing that has learnt to
-# prefer some sources (sd 32: weights below 2^-126, the kernels' flush)
+# prefer some sources (sd 32: weights below 2^-126, the kernels' flush). A layer reads for its
+# two sites (C = 2); L=24 Block N=8's widest phase-1 read is the last layers' (S = 8: the
+# embedding and 7 blocks)
 SHAPES = {
-    "L24 sliced": ("sliced", 9, 6, 512, 1024, 64),
-    "L24 projected": ("projected", 9, 6, 512, 1024, 32),
-    "L24 standard": ("standard", 9, 6, 512, 1024, 1024),
-    "L24 standard peaked": ("standard", 9, 6, 512, 1024, 1024, 32.0),
-    "L24 sliced S=4": ("sliced", 4, 6, 512, 1024, 64),
-    "L24 Full sliced S=49": ("sliced", 49, 1, 512, 1024, 64),  # Full's widest: one site, 2L + 1
-    "L12 sliced": ("sliced", 9, 3, 1024, 512, 64),
-    "cpu_small sliced": ("sliced", 3, 2, 2048, 128, 32),  # make train's model, its widest read
-    "cpu_small projected": ("projected", 3, 2, 2048, 128, 32),
-    "cpu_small standard": ("standard", 3, 2, 2048, 128, 128),
+    "L24 sliced": ("sliced", 8, 2, 512, 1024, 64),
+    "L24 projected": ("projected", 8, 2, 512, 1024, 32),
+    "L24 standard": ("standard", 8, 2, 512, 1024, 1024),
+    "L24 standard peaked": ("standard", 8, 2, 512, 1024, 1024, 32.0),
+    "L24 sliced S=4": ("sliced", 4, 2, 512, 1024, 64),
+    "L24 Full sliced S=47": ("sliced", 47, 2, 512, 1024, 64),  # Full's widest: the last layer's
+    "L12 sliced": ("sliced", 8, 2, 1024, 512, 64),
+    "cpu_small sliced": ("sliced", 4, 2, 2048, 128, 32),  # make train's model, its widest read
+    "cpu_small projected": ("projected", 4, 2, 2048, 128, 32),
+    "cpu_small standard": ("standard", 4, 2, 2048, 128, 128),
 }
 KERNELS = ("read_fwd", "read_bwd", "merge_fwd", "merge_bwd")
 _REPO = Path(__file__).resolve().parents[1]
@@ -169,13 +172,13 @@ def compare(libs: dict, reps: int) -> list[dict]:
     return rows
 
 
-DEPTH_OPS = ("merge_partial", "block_read", "_KeptRead")  # in the names of the depth ops
+DEPTH_OPS = ("block_read", "read_backward", "merge_partial")  # in the names of the depth ops
 
 
 def _depth_op_ms(prof) -> dict[str, float]:
     """Self CPU time (ms) of each depth-read op in a profiled step, forward and backward: the
-    ops' autograd twins (names with ``merge_partial`` or ``block_read``) and the router's
-    phase-1 reads (``_KeptRead``)."""
+    registered ops (``lrattnres::block_read*``, ``lrattnres::read_backward``) in a compiled
+    layer, their autograd twins (``block_read*_eager`` and its backward) in an eager one."""
     return {
         e.key: e.self_cpu_time_total / 1e3
         for e in prof.key_averages()
@@ -203,7 +206,7 @@ def compare_model(
     libs: dict, shape, variants, steps: int, compile_: bool = True, ops: bool = False
 ) -> list[dict]:
     """Rows of ``{variant, <lib> s..., ratio, loss_rel_diff}`` for whole training steps
-    (``compile_=False``: eager sublayers, for tests). ``ops``: every step profiled, and the rows
+    (``compile_=False``: eager layers, for tests). ``ops``: every step profiled, and the rows
     add ``ops: {op: {<lib>: median self ms}}`` for the depth ops, in place in the step (their
     data as the step leaves it in the caches, which a kernel call alone does not reproduce)."""
     from benchmarks.overhead import Step, _timed, build

@@ -23,9 +23,9 @@ the prefill likewise.
 Compilation happens in the warm-up and is reported apart (``warmup_s``).
 
 Memory (counted, not sampled): the KV cache (the same for every variant) and the peak bytes of the
-live depth state during a forward (embedding, completed block sums and their keys, the partial,
-the phase-1 reads of the current block; the baseline keeps one running sum). The depth state is
-per step only: nothing of it survives between decode steps.
+live depth state at a layer of a forward (the stream into the layer and the one out of it: the
+read h, the embedding, the completed block sums and their keys, the partial; the baseline keeps
+one running sum). The depth state is per step only: nothing of it survives between decode steps.
 """
 
 from __future__ import annotations
@@ -55,15 +55,20 @@ def _bytes(tensors) -> int:
     return sum(seen.values())
 
 
-def depth_state_bytes(state) -> int:
-    phase1 = state.phase1 or ((), (), 0)
-    return _bytes(
-        [state.embedding, state.embedding_key, state.partial, state.partial_key, state.running]
-        + list(state.values)
-        + list(state.keys)
-        + list(phase1[0])
-        + list(phase1[1])
-    )
+def depth_state_bytes(*streams) -> int:
+    """Bytes of depth streams ``(h, values, keys, partial, partial_key)`` (a layer's input, its
+    output; lists or None), storages shared among them counted once."""
+    tensors = []
+    for stream in streams:
+        for item in stream:
+            tensors += item if isinstance(item, (list, tuple)) else [item]
+    return _bytes(tensors)
+
+
+def routing_parameter(name: str) -> bool:
+    """Whether parameter ``name`` is a routing one: a layer's depth queries, the embedding's
+    key projection (P-LR)."""
+    return name.endswith(".queries") or name.startswith("embedding_key.")
 
 
 def share_weights(models) -> None:
@@ -78,13 +83,13 @@ def share_weights(models) -> None:
         if model is donor:
             continue
         for name, p in model.named_parameters():
-            d = None if name.startswith("router.") else own.get(name)
+            d = None if routing_parameter(name) else own.get(name)
             if d is not None and d.shape[1:] == p.shape[1:] and d.shape[0] >= p.shape[0]:
                 p.data = d.data[: p.shape[0]]
 
 
 class Decoder:
-    """One variant's model with its depth-state peak recorded at every read site."""
+    """One variant's model with its depth-state peak recorded at every layer."""
 
     def __init__(self, name: str, flavor: str, device, seed: int = 0):
         from titan_lrattnres.evaluation.inference import build_model
@@ -94,22 +99,22 @@ class Decoder:
         args = {"flavor": flavor, "variant": variant, "blocks": blocks, "rank": rank or 64}
         self.model = build_model(args, device=device)
         self.peak = 0
-        run_depth = self.model.run_depth
+        run_layers = self.model.run_layers
 
         self.tracking = True  # off while compiled graphs run (no Python state to look at)
 
-        def tracked(embedding, sublayer_fn, on_read=None):
+        def tracked(stream, call=None):
             if not self.tracking:
-                return run_depth(embedding, sublayer_fn, on_read=on_read)
+                return run_layers(stream, call)
 
-            def track(j, state):
-                self.peak = max(self.peak, depth_state_bytes(state))
-                if on_read is not None:
-                    on_read(j, state)
+            def track(layer, *stream):
+                out = layer(*stream) if call is None else call(layer, *stream)
+                self.peak = max(self.peak, depth_state_bytes(stream, out))
+                return out
 
-            return run_depth(embedding, sublayer_fn, on_read=track)
+            return run_layers(stream, track)
 
-        self.model.run_depth = tracked
+        self.model.run_layers = tracked
 
         self.compiled = None
 

@@ -20,16 +20,17 @@ to the JSON (rewritten after every section), so one failure never hides the othe
    chunked loss, backward, clipping, Muon + AdamW step; ``benchmarks.memory.measure_real``) per
    variant (baseline, standard Block N=8 and Full, S-LR Block N=8 r=64, P-LR Block N=8 r=32) at
    the paper's shape on one GPU: ``paper_0p5b``, T=2048, local batch 4, bf16 parameters with
-   fp32 masters, no AC, eager sublayers, one process (FSDP2 over a one-rank group: the
+   fp32 masters, no AC, eager layers, one process (FSDP2 over a one-rank group: the
    benchmark's own path at FSDP size 1), beside ``python -m benchmarks.memory``'s prediction
    for the same case (fake tensors on the CPU, a subprocess started with sections 3-4);
    ``measured_over_predicted`` per variant.
 6. ``op_bandwidth``: ``benchmarks.ops`` with the Triton backend, sliced keys r=64, d in {1024,
-   4096} x S in {5, 9, 17, 49} (one site's read), and d=1024 x S in {5, 9} over a bank of 6
-   queries (a Block N=8 model's phase-1 read, fp32 out), 16k tokens, bf16: GB/s of the minimal
-   bytes and their share of the copy bandwidth measured in the same run.
+   4096} x S in {5, 9, 17, 49} (one site's read), and d=1024 x S in {4, 8} over a bank of 2
+   queries (a layer's phase-1 read for its two sites, Block N=8 at L=24; fp32 out), 16k tokens,
+   bf16: GB/s of the minimal bytes and their share of the copy bandwidth measured in the same
+   run.
 7. ``step_ratios``: ``benchmarks.overhead.measure``: the project's model at L=24 d=1024 T=2048
-   (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every sublayer compiled) per
+   (16 heads, the paper's vocabulary 100,277; bf16, FlexAttention, every layer compiled) per
    variant, forward + backward (no optimizer: the step of the CPU bars), ratio to the baseline
    within each round, median over rounds.
 8. ``decode``: ``benchmarks.decode.measure`` at the paper's shape (``paper_0p5b``, random
@@ -67,7 +68,7 @@ compiles would cost ~1 min); 1,200 tokens, d=1000 (odd sizes): milliseconds. op_
 only (the compiled backend's inductor compiles cost ~1 min and carry no target), 20 timed calls per
 shape between CUDA events (median of 20 calls of a 0.1-1 ms kernel: ~1 %), 10 shapes x a few Triton
 compiles (cap 45 s). step_ratios: 3 variants, the baseline and the two with targets (standard Block
-N=8 and Full have none and would add ~40 s of compile each); inductor compiling the sublayer graphs
+N=8 and Full have none and would add ~40 s of compile each); inductor compiling the layer graphs
 dominates (estimate 30-40 s per variant on 16 cores); 20 rounds x 3 variants x <= 50 ms = 3 s of
 timing; GPU steps vary by ~1 %, so the median of 20 per-round ratios is good to a few tenths of a
 point (cap 150 s). decode: eager only in the full check (measured on an H200 machine: 4 variants
@@ -81,7 +82,7 @@ r=64 before r=d, shape (d=1024, S=9: the paper's Block N=8 read) before (4096, 9
 until the deadline less section 10's cap; the rest are reported as skipped (``--sections peers``
 alone gives them ~5 min). step_ratios_cuda_graphs re-uses section 7's compiled graphs (dynamo and
 this run's inductor cache): capture + 10 rounds (cap 60 s). The dry run (``--dry-run``: CPU, tiny
-shapes, eager sublayers) runs every section in ~30-60 s on 2 cores.
+shapes, eager layers) runs every section in ~30-60 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -276,11 +277,11 @@ def memory_section(res, started, device, timeout):
 
 def op_bandwidth(res, device, dry):
     if dry:
-        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, True, 6)]
+        shapes = [(64, 96, 8, 3, True), (64, 96, 8, 3, True, 2)]
         backends = ["reference", "compiled"]
     else:
         shapes = [(16384, d, 64, s, True) for d in (1024, 4096) for s in (5, 9, 17, 49)]
-        shapes += [(16384, 1024, 64, s, True, 6) for s in (5, 9)]  # Block N=8's phase 1
+        shapes += [(16384, 1024, 64, s, True, 2) for s in (4, 8)]  # a layer's phase 1
         backends = ["triton"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     res.update(op_bench.run(device, shapes, dtype, repeat=3 if dry else 20, backends=backends))
@@ -292,7 +293,7 @@ def step_ratios(res, device, dry, cuda_graphs):
         return
     from benchmarks import overhead
 
-    if dry:  # eager sublayers: inductor on 2 CPU cores would take minutes (compile is tested)
+    if dry:  # eager layers: inductor on 2 CPU cores would take minutes (compile is tested)
         shape, rounds, compile_ = overhead.Shape(4, 64, 32, heads=4, vocab=256), 2, False
     else:
         shape = overhead.Shape(24, 1024, 2048, heads=16, vocab=100277)

@@ -29,7 +29,8 @@ def _backends(device) -> list[str]:
 
 
 def _shape(dry: bool):
-    """Leading dims, d, r, sources, read sites per block: odd sizes so masked tails are hit."""
+    """Leading dims, d, r, sources, read sites of one phase-1 read (a layer reads for 2; 3
+    here, an odd count): odd sizes so masked tails are hit."""
     return ((2, 7), 40, 8, 3, 2) if dry else ((4, 300), 1000, 64, 9, 3)
 
 
@@ -109,7 +110,8 @@ def _block_case(backend, sliced, dtype, device, dry, gen):
 
 
 def _merge_case(backend, sliced, dtype, device, dry, gen):
-    """``(named inputs, fn)``: phase 2 with the next sublayer's RMSNorm fused (as the model)."""
+    """``(named inputs, fn)``: ``merge_partial`` (a phase-1 read merged with a partial) with
+    its fused RMSNorm of the result."""
     lead, d, r, s, _ = _shape(dry)
     out1 = _leaf(*lead, d, dtype=torch.float32, device=device, gen=gen)
     # log-sum-exps of a read over s sources: around log(s), spread like logits
@@ -178,9 +180,9 @@ def grad_parity(device, dry):
 
 
 def _graph_cases(device, dtype, gen):
-    """name -> (static leaf inputs, cotangents, call(inputs) -> outputs), sized like one read
-    site of the paper model (d=1024, 4096 tokens, 9 sources, r=64, 4 sites per block)."""
-    t, d, s, r, c = 4096, 1024, 9, 64, 4
+    """name -> (static leaf inputs, cotangents, call(inputs) -> outputs), sized like the paper
+    model's reads (d=1024, 4096 tokens, 9 sources, r=64; a layer's phase 1 for its 2 sites)."""
+    t, d, s, r, c = 4096, 1024, 9, 64, 2
 
     def leaves(shape, n, dt=dtype):
         return [_leaf(*shape, dtype=dt, device=device, gen=gen) for _ in range(n)]

@@ -1,203 +1,164 @@
-"""What a routed step's depth machinery costs per call, where a step is host work (a tiny width).
+"""What a step does on the host, event by event, against torchtitan's decoder of the same shape.
 
-    python -m benchmarks.host_costs [--layers 24 --dim 64 --seq 32] [--variants baseline,block8]
-        [--calls 300] [--json PATH]
+    python -m benchmarks.host_costs [--layers 24 --dim 64 --seq 32] [--ac none|selective|full]
+        [--variants torchtitan,baseline,block8,...] [--steps 5] [--top 12] [--json PATH]
 
-For each variant (``benchmarks.overhead``'s models, every sublayer compiled) one forward is
-recorded and then, call by call, in microseconds (median of 5 runs of ``--calls`` calls):
+Where a step is host work (a tiny width), its time is the calls the host makes. For each variant
+(``benchmarks.overhead``'s models: every layer compiled as torchtitan compiles it, after
+torchtitan's activation checkpointing ``--ac``) ``--steps`` training steps (forward, loss,
+backward) run under ``torch.profiler`` (CPU activity), after warm-up steps that compile. Each
+step's top-level host events (those with no parent event: a compiled layer's region, dynamo's
+cache lookup, the autograd engine's node evaluations, the eager ops outside the layers) are
+counted and timed by name (compile ids and graph hashes left out of the name), per step. The
+step's wall time under the profiler less its top-level events' is the host time outside every
+event (Python between the calls, the profiler's own).
 
-- each compiled sublayer call by kind (attention, MLP) and by the form of its input (``plain``:
-  h itself; ``cast``: a block end's phase-1 read; ``merge``: a phase-1 read merged with the
-  partial inside the graph): forward (autograd recording, as in training) and forward +
-  backward (the output's sum);
-- the phase-1 read (``custom_ops.block_read``) at the model's source counts, forward and
-  forward + backward;
-- the median forward split into the router's own time (its bookkeeping and the phase-1 reads) and
-  the sublayer calls'.
-
-The table says which of these a routed step adds over the baseline's, and by how much: the
-host-bound step's overhead read per call instead of per step (docs/performance.md).
+The tables: per variant, its top-level events per step, their time and the time outside them,
+each beside torchtitan's decoder's; then, per variant, the events whose count per step differs
+from torchtitan's decoder's and the ones whose time differs most (``--top``). Times under the
+profiler are inflated and meant to be read against each other, within one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import sys
 import time
+from collections import defaultdict
 
 import torch
 
 from benchmarks.meta import environment, write
-from benchmarks.overhead import Shape, build
+from benchmarks.ops import _sync
+from benchmarks.overhead import AC_MODES, Shape, Step, build, parse_variant
+
+DEFAULT_VARIANTS = ("torchtitan", "baseline", "block8", "sliced8_r64", "projected8_r32", "full")
+# compile ids ("Torch-Compiled Region: 3/0") and graph hashes ("CompiledFxGraph fdhnzks")
+_IDS = re.compile(r"(?<=: )\d+/\d+$|(?<=CompiledFxGraph )\w+")
 
 
-def _us(fn, calls: int) -> float:
-    """Median over 5 runs of ``calls`` calls of ``fn``, microseconds per call."""
-    for _ in range(10):
-        fn()
-    runs = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
+def event_name(name: str) -> str:
+    """The profiler's event name without the compile id or graph hash: the same event of two
+    models (or two layers) has one name."""
+    return _IDS.sub("*", name)
 
 
-def _form(read) -> str:
-    return "plain" if read is None else ("cast" if read[1] is None else "merge")
+def profile_steps(step, steps: int, device="cpu") -> dict:
+    """``steps`` calls of ``step`` under ``torch.profiler`` (CPU activity): per step, the
+    top-level host events by name (``{"count", "us"}``), their sum, the wall time and the time
+    outside every event."""
+    from torch.profiler import ProfilerActivity, profile
 
-
-def _leaf(x):
-    """``x`` cut from the recorded forward's graph as it was (a parameter stays itself: the
-    compiled graph's guards tell them apart)."""
-    if isinstance(x, torch.Tensor) and not isinstance(x, torch.nn.Parameter):
-        return x.detach().requires_grad_(x.requires_grad)
-    return x
-
-
-def sublayer_calls(model, tokens, calls: int) -> dict[str, dict[str, float]]:
-    """``{"<kind> <form>": {"forward", "forward_backward"}}`` in us per call, one
-    sublayer of each kind and form, on the inputs one forward handed it."""
-    seen, run = {}, model.run_depth
-
-    def recording(embedding, fn, on_read=None):
-        def call(j, layer, h, read):
-            kind = "attention" if layer.attention is not None else "mlp"
-            seen.setdefault(f"{kind} {_form(read)}", (layer, h, read))
-            return fn(j, layer, h, read)
-
-        return run(embedding, call, on_read)
-
-    model.run_depth = recording
-    try:
-        model(tokens)
-    finally:
-        del model.run_depth
-    out = {}
-    for name, (layer, h, read) in sorted(seen.items()):
-        h = _leaf(h)
-        read = None if read is None else tuple(_leaf(x) for x in read)
-
-        def forward(layer=layer, h=h, read=read):
-            y = layer(h, None, None, read)
-            return y[0] if isinstance(y, tuple) else y
-
-        out[name] = {
-            "forward": _us(forward, calls),
-            "forward_backward": _us(lambda f=forward: f().sum().backward(), calls),
-        }
-    return out
-
-
-def phase1_calls(model, seq: int, calls: int) -> dict[int, dict[str, float]]:
-    """``{sources: {"forward", "forward_backward"}}`` of the model's phase-1 read as its
-    router runs it in a training step (``depth._KeptRead`` over the forward's
-    ``custom_ops.SourceBank``: its variant, rank, one block's queries; ``seq`` tokens), in us per
-    call, at the model's first, middle and last source counts. Each read has the sources no
-    earlier read took (one; two for Full, read in pairs of sites), whose gradient sums it hands
-    on; the others' sums it adds to."""
-    import custom_ops
-    from titan_lrattnres.model.depth import _BankRead, _KeptRead
-
-    router, d = model.router, model.config.dim
-    # a read at each block end, with one more source each; Full reads at every other site,
-    # for two sites, with two more sources each
-    step = 2 if router.reads_pairs else 1
-    points = len(router.ends) // step
-    counts = sorted({1, 1 + step * (points // 2), 1 + step * (points - 1)})
-    c = router.num_sublayers // points
-    out = {}
-    for s in counts:
-        values = [torch.randn(1, seq, d, requires_grad=True) for _ in range(s)]
-        keys = None
-        if router.projected:
-            keys = [torch.randn(1, seq, router.rank, requires_grad=True) for _ in range(s)]
-        queries = [torch.randn(router.rank, requires_grad=True) for _ in range(c)]
-        bank = custom_ops.SourceBank(router.eps, router.backend)
-        bank.extend(values, keys)
-        fresh = max(s - step, 0)
-        held, inputs = _BankRead.taken(values, keys, fresh)
-        read = _BankRead(s, c, router.projected, router.eps, router.backend, bank, fresh, held)
-        inputs += queries
-
-        def forward(read=read, inputs=inputs):
-            return _KeptRead.apply(read, *inputs)
-
-        def forward_backward(forward=forward):
-            outs = forward()
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
-
-        out[s] = {"forward": _us(forward, calls), "forward_backward": _us(forward_backward, calls)}
-    return out
-
-
-def forward_split(model, tokens, rounds: int = 40) -> dict[str, float]:
-    """One forward's ms: its whole, the router's own (``step`` and ``start``: bookkeeping and
-    phase-1 reads) and the sublayer calls', of the median of ``rounds`` forwards (ranked by
-    the whole)."""
-    router, spent = model.router, {"router": 0.0, "sublayers": 0.0}
-
-    def timed(key, fn):
-        def call(*args):
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            _sync(device)
             t0 = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                spent[key] += time.perf_counter() - t0
+            step()
+            _sync(device)
+            walls.append(time.perf_counter() - t0)
+    events = defaultdict(lambda: {"count": 0.0, "us": 0.0})
+    for evt in prof.events():
+        if evt.cpu_parent is not None:
+            continue
+        row = events[event_name(evt.name)]
+        row["count"] += 1 / steps
+        row["us"] += evt.cpu_time_total / steps
+    events = dict(sorted(events.items(), key=lambda kv: -kv[1]["us"]))
+    top_us = sum(e["us"] for e in events.values())
+    wall_us = 1e6 * sum(walls) / steps
+    return {
+        "events": events,
+        "top_level_per_step": sum(e["count"] for e in events.values()),
+        "top_level_us": top_us,
+        "step_us": wall_us,
+        "median_step_us": 1e6 * statistics.median(walls),
+        "outside_us": max(wall_us - top_us, 0.0),
+    }
 
-        return call
 
-    router.step, router.start = timed("router", router.step), timed("router", router.start)
-    run = model.run_depth
-    model.run_depth = lambda e, fn, on_read=None: run(e, timed("sublayers", fn), on_read)
-    rows = []
-    try:
-        for _ in range(rounds):
-            spent.update(router=0.0, sublayers=0.0)
-            t0 = time.perf_counter()
-            model(tokens)
-            rows.append((time.perf_counter() - t0, spent["router"], spent["sublayers"]))
-    finally:
-        del router.step, router.start, model.run_depth
-    median = sorted(rows)[len(rows) // 2]  # the median forward, split as it ran
-    return dict(zip(("forward", "router", "sublayers"), (1e3 * t for t in median)))
-
-
-def measure(shape: Shape, variants, calls: int, progress=print) -> dict:
-    """Per variant: ``sublayers`` (:func:`sublayer_calls`), ``forward_ms``
-    (:func:`forward_split`) and, routed, ``phase1`` (:func:`phase1_calls`)."""
+def measure(
+    shape: Shape,
+    variants=DEFAULT_VARIANTS,
+    *,
+    steps: int = 5,
+    warmup: int = 3,
+    ac: str = "none",
+    device="cpu",
+    compile_: bool = True,
+    backend: str = "inductor",
+    progress=print,
+) -> dict:
+    """Per variant, :func:`profile_steps` of its training step (``benchmarks.overhead.Step``:
+    forward, loss, backward; fp32) after ``warmup`` steps; with ``torchtitan`` among the
+    variants, each row adds ``over_torchtitan``: its per-step differences to torchtitan's
+    decoder (events, their time, the time outside them)."""
+    for name in variants:
+        parse_variant(name)  # a bad name fails before anything is built
     g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, shape.vocab, (1, shape.seq), generator=g)
+    data = torch.randint(0, shape.vocab, (shape.batch, shape.seq + 1), generator=g).to(device)
+    tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
     result = {}
     for name in variants:
-        model = build(name, shape, "cpu", torch.float32)
-        for _ in range(3):
-            model(tokens).sum().backward()
-        model.zero_grad(set_to_none=True)
-        row = {"sublayers": sublayer_calls(model, tokens, calls),
-               "forward_ms": forward_split(model, tokens)}  # fmt: skip
-        if hasattr(model, "router") and model.router.variant != "baseline":
-            row["phase1"] = phase1_calls(model, shape.seq, calls)
-        result[name] = row
-        progress(f"  measured {name}")
+        model = build(name, shape, device, torch.float32, compile_, ac=ac, backend=backend)
+        step = Step(model, tokens, targets, optimizer=False, cuda_graph=False)
+        for _ in range(warmup):
+            step()
+        result[name] = profile_steps(step, steps, device)
+        progress(f"  profiled {name}")
+    if "torchtitan" in result:
+        base = result["torchtitan"]
+        for row in result.values():
+            row["over_torchtitan"] = {
+                "top_level_per_step": row["top_level_per_step"] - base["top_level_per_step"],
+                "top_level_us": row["top_level_us"] - base["top_level_us"],
+                "outside_us": row["outside_us"] - base["outside_us"],
+                "events": event_differences(row["events"], base["events"]),
+            }
     return result
 
 
-def table(result: dict) -> str:
-    lines = ["| variant | call | forward us | forward + backward us |", "|---|---|---|---|"]
-    for name, row in result.items():
-        for call, t in row["sublayers"].items():
-            lines.append(f"| {name} | sublayer: {call} | {t['forward']:.0f} | "
-                         f"{t['forward_backward']:.0f} |")  # fmt: skip
-        for s, t in row.get("phase1", {}).items():
-            lines.append(f"| {name} | phase-1 read, {s} sources | {t['forward']:.0f} | "
-                         f"{t['forward_backward']:.0f} |")  # fmt: skip
-    lines += ["", "| variant | forward ms | router's own ms | sublayer calls ms |",
-              "|---|---|---|---|"]  # fmt: skip
-    for name, row in result.items():
-        f = row["forward_ms"]
-        lines.append(f"| {name} | {f['forward']:.2f} | {f['router']:.2f} | {f['sublayers']:.2f} |")
+def event_differences(events: dict, base: dict) -> dict:
+    """``{name: {"count", "us"}}``: per step, ``events`` less ``base``, for every name in
+    either."""
+    zero = {"count": 0.0, "us": 0.0}
+    return {
+        name: {k: events.get(name, zero)[k] - base.get(name, zero)[k] for k in ("count", "us")}
+        for name in dict.fromkeys([*events, *base])
+    }
+
+
+def table(result: dict, top: int = 12) -> str:
+    titan = "torchtitan" in result
+    lines = ["| variant | top-level events / step | their host ms / step | outside ms / step |"
+             + (" events over torchtitan | ms over torchtitan | outside ms over torchtitan |"
+                if titan else ""),
+             "|---|---|---|---|" + ("---|---|---|" if titan else "")]  # fmt: skip
+    for name, r in result.items():
+        line = (f"| {name} | {r['top_level_per_step']:.0f} | {r['top_level_us'] / 1e3:.2f} | "
+                f"{r['outside_us'] / 1e3:.2f} |")  # fmt: skip
+        if titan:
+            o = r["over_torchtitan"]
+            line += (f" {o['top_level_per_step']:+.0f} | {o['top_level_us'] / 1e3:+.2f} | "
+                     f"{o['outside_us'] / 1e3:+.2f} |")  # fmt: skip
+        lines.append(line)
+    if not titan:
+        return "\n".join(lines)
+    lines += ["", "| variant | event | per step | over torchtitan | us / step "
+              "| us over torchtitan |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, r in result.items():
+        if name == "torchtitan":
+            continue
+        diff = r["over_torchtitan"]["events"]
+        counted = [e for e, d in diff.items() if abs(d["count"]) > 1e-9]
+        timed = sorted(diff, key=lambda e: -abs(diff[e]["us"]))[:top]
+        for event in dict.fromkeys([*counted, *timed]):
+            mine = r["events"].get(event, {"count": 0.0, "us": 0.0})
+            d = diff[event]
+            lines.append(f"| {name} | {event} | {mine['count']:g} | {d['count']:+g} | "
+                         f"{mine['us']:.0f} | {d['us']:+.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -207,19 +168,38 @@ def main(argv=None) -> int:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--variants", default="baseline,block8,sliced8_r64,projected8_r32")
-    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--ac", choices=AC_MODES, default="none")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
+    p.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--top", type=int, default=12, help="events listed by time difference")
+    p.add_argument("--no-compile", action="store_true", help="eager layers (debugging)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    from titan_lrattnres.training.cpu import keep_freed_memory
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if torch.device(args.device).type == "cpu":
+        from titan_lrattnres.training.cpu import keep_freed_memory
 
-    keep_freed_memory()  # as the trainer and benchmarks.overhead run on CPU
-    shape = Shape(layers=args.layers, dim=args.dim, seq=args.seq, heads=args.heads)
+        keep_freed_memory()  # as the trainer and benchmarks.overhead run on CPU
+    shape = Shape(layers=args.layers, dim=args.dim, seq=args.seq, heads=args.heads,
+                  batch=args.batch, vocab=args.vocab)  # fmt: skip
     variants = [v for v in args.variants.split(",") if v]
-    result = measure(shape, variants, args.calls)
-    print(table(result))
+    try:
+        result = measure(shape, variants, steps=args.steps, warmup=args.warmup, ac=args.ac,
+                         device=args.device, compile_=not args.no_compile)  # fmt: skip
+    except (ValueError, RuntimeError) as e:
+        print(f"host_costs: {e}", file=sys.stderr)
+        return 2
+    print(f"host_costs: L={shape.layers} d={shape.dim} T={shape.seq} B={shape.batch} "
+          f"AC {args.ac}, {args.steps} profiled steps per variant on {args.device}")  # fmt: skip
+    print(table(result, args.top))
     if args.json:
-        write(args.json, {"config": {**vars(args), **environment("cpu")}, "result": result})
+        config = {**vars(args), **environment(args.device)}
+        write(args.json, {"config": config, "result": result})
     return 0
 
 

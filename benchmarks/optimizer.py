@@ -10,7 +10,7 @@ foreach), the paper's recipe container (``recipe_param_groups``: Muon with bf16 
 Polar Express, AdamW for embedding / head / queries), and ``torch.optim.Muon`` (plain
 Newton-Schulz, no NorMuon) on the same matrices with AdamW beside it, for reference.
 
-Then 2 gloo ranks (``torch.distributed.run``, FSDP2 per sublayer + root): the collectives of one
+Then 2 gloo ranks (``torch.distributed.run``, FSDP2 per layer + root): the collectives of one
 ``step()`` counted with ``CommDebugMode`` (c10d and functional collectives alike) and the step
 time per optimiser. One thread per process by default (``--threads``): on a shared 2-core
 machine OpenMP threads that spin against other processes inflate times tenfold.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -30,7 +31,7 @@ import time
 import torch
 
 from benchmarks.meta import environment, write
-from titan_lrattnres.components.optimizers import recipe_param_groups
+from titan_lrattnres.components.optimizers import QUERIES, recipe_param_groups
 from titan_lrattnres.spec import model_registry
 from train_configs.common import param_groups
 
@@ -63,7 +64,11 @@ def build_optimiser(name: str, model):
 
 
 def _muon_name(name: str) -> bool:
-    return not any(s in name for s in ("tok_embeddings", "lm_head", "router.query_"))
+    """Whether ``torch.optim.Muon`` takes the parameter: not the embedding, the head or the
+    depth queries (each layer's ``queries [2, r]``)."""
+    if re.search(QUERIES, name):
+        return False
+    return not any(s in name for s in ("tok_embeddings", "lm_head"))
 
 
 class _Both:
@@ -113,7 +118,7 @@ def time_steps(flavor: str, rounds: int) -> dict:
 
 
 def worker(flavor: str, rounds: int, out: str) -> None:
-    """2 ranks: FSDP2 (each sublayer, then the root), collectives and time per step."""
+    """2 ranks: FSDP2 (each layer, then the root), collectives and time per step."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -1,33 +1,32 @@
-"""Step-time overhead of the routed model over the plain residual, on the project's own model.
+"""Step-time overhead of the routed model over the plain residual and torchtitan's decoder.
 
     python -m benchmarks.overhead --layers 12 --dim 512 --seq 1024 [--heads 8] [--batch 1]
         [--device cpu|cuda] [--dtype fp32|bf16] [--rounds 9] [--optimizer] [--cuda-graphs]
         [--ac none|selective|full] [--variants torchtitan,baseline,block8,...] [--profile]
         [--json PATH]
 
-Every variant is the real ``LRAttnResModel`` (``titan_lrattnres.model.registry``), each sublayer
-compiled with ``fullgraph=True`` through torchtitan's own ``apply_compile`` (inductor), weights
-initialised from one seed. A round times one forward + backward (+ AdamW step with
-``--optimizer``) of every variant, in an order that rotates from round to round; the overhead of
-a variant is its time over the baseline's WITHIN the round, and the report gives the median over
-rounds with the range. Rounds cancel slow drifts of a shared machine (frequency, other load) that
-a ratio of separate medians would not. A round runs with Python's cyclic garbage collector off
-(a collection between rounds), as torchtitan's Trainer runs its steps. Checked before timing:
-every variant's loss is finite.
+Every variant is the real ``LRAttnResModel`` (``titan_lrattnres.model.registry``): L layers in
+``model.layers``, each compiled with ``fullgraph=True`` (inductor) as the trainer compiles them
+(``titan_lrattnres.parallel.compile.compile_layers``: torchtitan's ``apply_compile``), after
+torchtitan's activation checkpointing of each layer (``--ac``), weights initialised from one
+seed. Variant ``torchtitan`` is torchtitan's own decoder of the same shape (``Llama3Model``, one
+``TransformerBlock`` per layer, checkpointed and compiled by torchtitan the same way): the step
+a user would otherwise run. A round times one forward + backward (+ AdamW step
+with ``--optimizer``) of every variant, in an order that rotates from round to round; a
+variant's ratio to the baseline and to torchtitan's decoder is taken WITHIN the round, and the
+report gives the median over rounds with the range. Rounds cancel slow drifts of a shared
+machine (frequency, other load) that a ratio of separate medians would not. A round runs with
+Python's cyclic garbage collector off (a collection between rounds), as torchtitan's Trainer
+runs its steps. Checked before timing: every variant's loss is finite.
 
 How sure a run is: each median comes with a 95 % bootstrap interval (rounds resampled with
-replacement) and the number of rounds at which that interval would narrow to +-2 points. Once
-per round a fixed workload (matmuls and a 32 MB copy, ~0.04 s on the 2-core CPU) is timed too:
-its scatter is the machine's own noise, which no choice of kernels removes. ``--from-json PATH
-[PATH...]`` re-prints saved runs' table with these statistics, pooling the rounds of several
-runs. ``--profile``: after the rounds, one profiled step per variant, its time by class of work
-(``benchmarks.step_profile``). ``--ac none|selective|full``: torchtitan's activation
-checkpointing of every ``model.layers`` entry (the paper's configs train with selective).
-Variant ``torchtitan`` is torchtitan's own decoder of the same shape, the step a user would
-otherwise run; every table then gives each variant's ratio to it too. A name with ``:layer``
-(``baseline:layer``, ``block8:layer``) runs that model compiled in units of one layer instead of
-one sublayer (``benchmarks.layer_units``; without AC, Block source sets with an even number of
-sublayers per block): what the unit costs where a step is host work.
+replacement) and the number of rounds at which the interval over the baseline would narrow to
++-2 points. Once per round a fixed workload (matmuls and a 32 MB copy, ~0.04 s on the 2-core
+CPU) is timed too: its scatter is the machine's own noise, which no choice of kernels removes.
+``--from-json PATH [PATH...]`` re-prints saved runs' table with these statistics, pooling the
+rounds of several runs. ``--profile``: after the rounds, one profiled step per variant, its
+time by class of work (``benchmarks.step_profile``). ``--ac none|selective|full``: torchtitan's
+activation checkpointing of every layer (the paper's configs train with selective).
 """
 
 from __future__ import annotations
@@ -55,8 +54,7 @@ from titan_lrattnres.evaluation.memory import AC_MODES  # noqa: F401  (benchmark
 # name: (variant, blocks, rank); standard AttnRes has r = d. Any other name of the form
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
 # ``torchtitan``: torchtitan's own decoder (``Llama3Model``) of the same shape, built from the
-# baseline's attention, MLP, norm, embedding and head configs, compiled per TransformerBlock
-# (attention and MLP with the residual adds inside one graph): what a user would otherwise run.
+# baseline's attention, MLP, norm, embedding and head configs: what a user would otherwise run.
 VARIANTS = {
     "torchtitan": ("torchtitan", None, 0),
     "baseline": ("baseline", None, 0),
@@ -69,11 +67,7 @@ _NAME = re.compile(r"(attnres|sliced|projected)(\d+|full)(?:_r(\d+))?")
 
 
 def parse_variant(name: str) -> tuple[str, int | None, int]:
-    """``(variant, blocks or None, rank)`` of a variant name (a ``:layer`` suffix: compiled in
-    units of one layer, ``benchmarks.layer_units``)."""
-    name, units = split_units(name)
-    if units and name == "torchtitan":
-        raise ValueError("torchtitan's decoder is compiled per layer already (no ':layer')")
+    """``(variant, blocks or None, rank)`` of a variant name."""
     if name in VARIANTS:
         return VARIANTS[name]
     m = _NAME.fullmatch(name)
@@ -84,14 +78,6 @@ def parse_variant(name: str) -> tuple[str, int | None, int]:
         )
     blocks = None if m[2] == "full" else int(m[2])
     return m[1], blocks, int(m[3] or 0)
-
-
-def split_units(name: str) -> tuple[str, bool]:
-    """``(name, per layer)``: ``"block8:layer"`` is ``block8`` compiled in units of one layer."""
-    base, sep, units = name.partition(":")
-    if sep and units != "layer":
-        raise ValueError(f"unknown unit {units!r} in {name!r}: the one suffix is ':layer'")
-    return base, bool(sep)
 
 
 DEFAULT_VARIANTS = tuple(VARIANTS)
@@ -115,16 +101,16 @@ class Shape:
 
 def torchtitan_decoder_config(config):
     """torchtitan's ``Llama3Model`` config with the layers, norms, embedding and head of the
-    project's baseline ``config``: one ``Llama3TransformerBlock`` per attention + MLP pair."""
+    project's baseline ``config``: one ``Llama3TransformerBlock`` per layer, of its attention,
+    MLP and norms."""
     from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock
 
-    pairs = zip(config.layers[0::2], config.layers[1::2], strict=True)
     layers = [
         Llama3TransformerBlock.Config(
-            attention=a.attention, feed_forward=f.feed_forward, attention_norm=a.norm,
-            ffn_norm=f.norm,
+            attention=c.attention, feed_forward=c.feed_forward, attention_norm=c.attention_norm,
+            ffn_norm=c.ffn_norm,
         )
-        for a, f in pairs
+        for c in config.layers
     ]  # fmt: skip
     return Llama3Model.Config(
         dim=config.dim, vocab_size=config.vocab_size, lm_head=config.lm_head,
@@ -134,22 +120,23 @@ def torchtitan_decoder_config(config):
 
 def build(
     name: str, shape: Shape, device, dtype, compile_: bool = True, seed: int = 0, attn=None,
-    ac: str = "none",
+    ac: str = "none", backend: str = "inductor",
 ):  # fmt: skip
     """The model for variant ``name`` (the project's, or torchtitan's decoder of the same
     shape), weights from ``seed``, activation checkpointing ``ac`` as torchtitan applies it to
-    each entry of ``model.layers``, those entries compiled; attention ``attn`` (default: SDPA
-    on CPU, FlexAttention on GPU)."""
+    each entry of ``model.layers``, those entries compiled (``fullgraph=True``, torch.compile
+    ``backend``) as the trainer compiles them (torchtitan's ``apply_compile``; for the project's
+    model through ``titan_lrattnres.parallel.compile.compile_layers``); attention ``attn``
+    (default: SDPA on CPU, FlexAttention on GPU). The depth queries stay fp32, as under mixed
+    precision."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
     from titan_lrattnres.evaluation.memory import apply_ac
     from titan_lrattnres.model.registry import Flavor, build_model_config
+    from titan_lrattnres.parallel.compile import compile_layers
 
     variant, blocks, rank = parse_variant(name)
-    per_layer = split_units(name)[1]
-    if per_layer and ac != "none":
-        raise ValueError(f"{name}: layer units run without activation checkpointing only")
     titan = variant == "torchtitan"
     variant = "baseline" if titan else variant
     flavor = Flavor(
@@ -166,46 +153,25 @@ def build(
     config = build_model_config(
         flavor, variant=variant, blocks=blocks, rank=min(rank or 64, shape.dim), attn_backend=attn
     )
-    config.router.recompute_reads = ac != "none"  # as the model config does under the trainer
     model = (torchtitan_decoder_config(config) if titan else config).build()
     model.to(device=device)
     model.init_states(buffer_device=torch.device(device))
     for pname, param in model.named_parameters():  # not the buffers: RoPE's are complex
-        if not pname.startswith("router.query_"):  # fp32 queries, as in mixed precision
+        if not pname.endswith("queries"):  # fp32 queries, as in mixed precision
             param.data = param.data.to(dtype)
     model.train()
     apply_ac(model, ac)
-    if per_layer:
-        from benchmarks.layer_units import per_layer as layer_units
-
-        layer_units(model, compile_)
-    elif compile_:
-        _own_graphs(model)
+    if compile_:
 
         class _Dims:  # the one attribute apply_compile reads from ParallelDims
             tp_enabled = False
 
-        apply_compile(
-            model,
-            compile_config=CompileConfig(enable=True, backend="inductor"),
-            parallel_dims=_Dims,
-        )
+        config = CompileConfig(enable=True, backend=backend)
+        if titan:
+            apply_compile(model, compile_config=config, parallel_dims=_Dims)
+        else:  # the model spec's: apply_compile after a forward per layer plan for AC wrappers
+            compile_layers(model, config, _Dims)
     return model
-
-
-def _own_graphs(model) -> None:
-    """Give ``model.layers``' compiled units a forward with a code object of their own. Dynamo
-    keeps graphs per code object and walks their guards on every call: the variants built in
-    one process would otherwise share one list of graphs (the slowest for the first built) and
-    its recompile limit, where a training run has its one model's graphs."""
-    from custom_ops.ops import own_code
-
-    classes = {}
-    for unit in model.layers.values():
-        cls = type(unit)
-        if cls not in classes:
-            classes[cls] = type(cls.__name__, (cls,), {"forward": own_code(cls.forward)})
-        unit.__class__ = classes[cls]
 
 
 def attention_kwargs(model, tokens) -> dict:
@@ -308,8 +274,10 @@ def rounds_for(rounds: int, interval: tuple[float, float], halfwidth: float = 2.
 
 
 def summarize(times: dict[str, list[float]], variants, shape: Shape) -> dict:
-    """Per variant: step seconds per round, overhead % over the baseline per round, median,
-    range, 95 % interval of the median and the rounds a +-2-point interval needs."""
+    """Per variant: step seconds per round; overhead % over the baseline per round, its median,
+    range, 95 % interval of the median and the rounds a +-2-point interval needs; with
+    ``torchtitan`` among the variants, the overhead % over torchtitan's decoder per round, its
+    median and 95 % interval."""
     result = {}
 
     def pct(name, against):  # per round, % over ``against`` within the round
@@ -401,7 +369,7 @@ def measure(
         probe_s.append(_timed(probe, device))
         base = times["baseline"][-1]
         progress(
-            f"  round {r + 1}/{rounds}: "
+            f"  round {r + 1}/{rounds}, over the baseline: "
             + " ".join(
                 f"{n} {100 * (times[n][-1] / base - 1):+.1f}%" for n in variants if n != "baseline"
             )
@@ -415,28 +383,39 @@ def measure(
     return result
 
 
+def _ratio(pct: float) -> str:
+    return f"{1 + pct / 100:.3f}x"
+
+
+def _ratio_interval(interval) -> str:
+    lo, hi = interval
+    return f"[{1 + lo / 100:.3f}, {1 + hi / 100:.3f}]"
+
+
 def table(result: dict) -> str:
+    """One row per variant: its median step, tokens/s, and its step time as a ratio over
+    torchtitan's decoder and over the project's baseline (median of the per-round ratios, 95 %
+    interval; over the baseline also the range and the rounds a +-2-point interval needs)."""
     w = max([16, *(len(n) + 2 for n in result if not n.startswith("_"))])
     lines = [
-        f"{'variant':<{w}}{'(variant, blocks, r)':<26}{'median step s':>14}{'overhead':>10}"
-        f"{'95% interval':>18}{'range':>18}{'rounds for +-2':>15}{'tokens/s':>11}"
-        f"{'vs torchtitan':>15}{'95% interval':>18}",
+        f"{'variant':<{w}}{'(variant, blocks, r)':<26}{'median step s':>14}{'tokens/s':>11}"
+        f"{'over torchtitan':>17}{'95% interval':>18}{'over baseline':>15}{'95% interval':>18}"
+        f"{'range':>18}{'rounds for +-2':>15}",
     ]
     for name, r in result.items():
         if name.startswith("_"):
             continue
-        span = f"[{r['min_overhead_pct']:+.1f}, {r['max_overhead_pct']:+.1f}]"
-        ci = "[{:+.1f}, {:+.1f}]".format(*r["ci95_overhead_pct"])
-        need = r["rounds_for_2_points"]
-        titan = ""
+        titan = f"{'-':>17}{'':>18}"
         if "median_overhead_vs_torchtitan_pct" in r:
-            tt_ci = "[{:+.1f}, {:+.1f}]".format(*r["ci95_overhead_vs_torchtitan_pct"])
-            titan = f"{r['median_overhead_vs_torchtitan_pct']:>+14.1f}%{tt_ci:>18}"
+            titan = (f"{_ratio(r['median_overhead_vs_torchtitan_pct']):>17}"
+                     f"{_ratio_interval(r['ci95_overhead_vs_torchtitan_pct']):>18}")  # fmt: skip
+        span = _ratio_interval((r["min_overhead_pct"], r["max_overhead_pct"]))
+        need = r["rounds_for_2_points"]
         lines.append(
             f"{name:<{w}}{str(tuple(r['variant'])):<26}{r['median_step_s']:>14.4f}"
-            f"{r['median_overhead_pct']:>+9.1f}%"
-            f"{ci:>18}{span:>18}{'-' if need is None else need:>15}"
-            f"{r['tokens_per_s']:>11.0f}{titan}"
+            f"{r['tokens_per_s']:>11.0f}{titan}{_ratio(r['median_overhead_pct']):>15}"
+            f"{_ratio_interval(r['ci95_overhead_pct']):>18}{span:>18}"
+            f"{'-' if need is None else need:>15}"
         )
     m = result.get("_machine_noise")
     if m is not None:
@@ -492,11 +471,11 @@ def main(argv=None) -> int:
     p.add_argument("--optimizer", action="store_true", help="include an AdamW step")
     p.add_argument(
         "--ac", choices=AC_MODES, default="none",
-        help="activation checkpointing of every sublayer (torchtitan's block), as torchtitan "
-        "applies it; the paper's configs train with selective",
+        help="activation checkpointing of every layer, as torchtitan applies it; the paper's "
+        "configs train with selective",
     )  # fmt: skip
     p.add_argument("--cuda-graphs", action="store_true", help="capture the step (CUDA only)")
-    p.add_argument("--no-compile", action="store_true", help="eager sublayers (debugging)")
+    p.add_argument("--no-compile", action="store_true", help="eager layers (debugging)")
     p.add_argument(
         "--system-malloc",
         action="store_true",
@@ -505,7 +484,8 @@ def main(argv=None) -> int:
     )
     p.add_argument(
         "--variants", default=",".join(DEFAULT_VARIANTS),
-        help="comma-separated; a ':layer' suffix compiles that model in units of one layer",
+        help="comma-separated: torchtitan (its decoder), baseline, block8, sliced8_r64, ... "
+        "({attnres|sliced|projected}{N|full}[_r{R}])",
     )  # fmt: skip
     p.add_argument(
         "--profile", action="store_true",

@@ -1,5 +1,5 @@
 """The decode benchmark on the debug flavor: every figure present, the baseline's own ratios 1,
-the cache counted as the model's attention sublayers hold it, depth state per step only; the
+the cache counted as the model's layers hold it, depth state per step only; the
 compiled mode beside the eager one."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def test_decode_benchmark_figures():
     for b, rows in res["eager"].items():
         base = rows["baseline"]
         assert base["prefill_ratio"] == 1 and base["decode_ratio"] == 1
-        # debug: 2 attention sublayers x (k, v) x [B, 16 + 3, 4 heads, 16] fp32
+        # debug: 2 layers x (k, v) x [B, 16 + 3, 4 heads, 16] fp32
         kv = 2 * 2 * b * 19 * 4 * 16 * 4 / 2**20
         for r in rows.values():
             assert r["kv_cache_mib"] == pytest.approx(kv)
@@ -60,7 +60,7 @@ def test_shared_weights_are_the_donors_memory():
     decode.share_weights(models)
     for model in models[:2]:
         for name, p in model.named_parameters():
-            if name.startswith("router."):
+            if decode.routing_parameter(name):
                 assert name not in donor or p.data_ptr() != donor[name].data_ptr()
                 continue
             d = donor[name]

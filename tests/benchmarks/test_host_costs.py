@@ -1,49 +1,81 @@
-"""``benchmarks.host_costs``: every compiled sublayer form a routed model hands its sublayers is
-timed (plain, a block end's cast, a merge), the phase-1 read at the model's source counts, and
-one forward split between the router and the sublayer calls; the table shows each."""
+"""``benchmarks.host_costs``: a step's top-level host events per variant, beside torchtitan's
+decoder's: the compiled calls are one per layer in every variant, the plain residual's step is
+torchtitan's event for event, a routed step adds its queries' gradient accumulation; the tables
+and the JSON show each."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
+import torch
 
 from benchmarks import host_costs
 from benchmarks.overhead import Shape
 
-SHAPE = Shape(layers=2, dim=32, seq=8, heads=2, vocab=256)
+SHAPE = Shape(layers=2, dim=32, seq=8, heads=2, vocab=64, hidden=64)
+REGION = "Torch-Compiled Region: *"
 
 
 @pytest.fixture(scope="module")
 def result():
-    return host_costs.measure(SHAPE, ["baseline", "sliced2_r8"], calls=2, progress=lambda _: None)
+    torch._dynamo.reset()
+    try:
+        variants = ["torchtitan", "baseline", "sliced2_r8"]
+        yield host_costs.measure(SHAPE, variants, steps=2, warmup=2, backend="aot_eager",
+                                 progress=lambda _: None)  # fmt: skip
+    finally:
+        torch._dynamo.reset()
 
 
-def test_every_form_is_timed(result):
-    base, routed = result["baseline"], result["sliced2_r8"]
-    assert set(base["sublayers"]) == {"attention plain", "mlp plain"}
-    assert "phase1" not in base
-    # 4 sublayers, ends at 2 and 4: site 0 plain, sublayer 3 reads a block end, 2 and 4 merge
-    assert set(routed["sublayers"]) == {"attention plain", "attention cast", "mlp merge"}
-    assert set(routed["phase1"]) == {1, 2}  # 1 source (e), 2 (e and the first block)
-    # times only, never compared across calls: a shared machine may slow any one of them
-    for row in (base, routed):
-        for t in (*row["sublayers"].values(), *row.get("phase1", {}).values()):
-            assert set(t) == {"forward", "forward_backward"}
-            assert all(0 < v < math.inf for v in t.values())
-        f = row["forward_ms"]  # one forward's own parts: nested timers, so they fit inside it
-        assert f["forward"] >= f["router"] + f["sublayers"] > 0 and f["router"] > 0
+def test_event_names_leave_out_compile_ids_and_hashes():
+    assert host_costs.event_name("Torch-Compiled Region: 3/0") == REGION
+    assert host_costs.event_name("## Call CompiledFxGraph fdhnzks ##") == (
+        "## Call CompiledFxGraph * ##"
+    )
+    assert host_costs.event_name("aten::mm") == "aten::mm"
+
+
+def test_every_variant_calls_one_compiled_unit_per_layer(result):
+    for name, row in result.items():
+        assert row["events"][REGION]["count"] == SHAPE.layers, name
+        backward = row["events"]["autograd::engine::evaluate_function: CompiledFunctionBackward"]
+        assert backward["count"] == SHAPE.layers, name
+        assert row["top_level_per_step"] == sum(e["count"] for e in row["events"].values())
+        assert 0 < row["top_level_us"] and row["outside_us"] >= 0
+
+
+def test_differences_to_torchtitans_decoder(result):
+    counts = {n: {e: d["count"] for e, d in r["events"].items()} for n, r in result.items()}
+    assert counts["baseline"] == counts["torchtitan"]  # the same step, event for event
+    diff = result["sliced2_r8"]["over_torchtitan"]["events"]
+    changed = {e: d["count"] for e, d in diff.items() if d["count"]}
+    # the layers' queries [2, r]: one more gradient accumulated per layer
+    assert changed == {"autograd::engine::evaluate_function: torch::autograd::AccumulateGrad": 2}
+    assert result["torchtitan"]["over_torchtitan"]["top_level_us"] == 0
 
 
 def test_table_and_json(result, tmp_path, monkeypatch):
     text = host_costs.table(result)
-    assert "| sliced2_r8 | sublayer: mlp merge |" in text
-    assert "| sliced2_r8 | phase-1 read, 2 sources |" in text
-    assert "| baseline | " in text.split("forward ms")[1]
+    assert "| sliced2_r8 | autograd::engine::evaluate_function: torch::autograd::AccumulateGrad" \
+        " | 14 | +2 |" in text  # fmt: skip
+    assert "| baseline | " in text.split("events over torchtitan")[1]
     monkeypatch.setattr(host_costs, "measure", lambda *a, **k: result)
     path = tmp_path / "h.json"
-    assert host_costs.main(["--variants", "baseline,sliced2_r8", "--json", str(path)]) == 0
+    args = [
+        "--variants",
+        "torchtitan,baseline,sliced2_r8",
+        "--ac",
+        "selective",
+        "--json",
+        str(path),
+    ]
+    assert host_costs.main(args) == 0
     saved = json.loads(path.read_text())
-    assert saved["config"]["variants"] == "baseline,sliced2_r8" and "torch" in saved["config"]
-    assert set(saved["result"]) == {"baseline", "sliced2_r8"}
+    assert saved["config"]["ac"] == "selective" and "torch" in saved["config"]
+    assert set(saved["result"]) == {"torchtitan", "baseline", "sliced2_r8"}
+
+
+def test_a_bad_variant_is_refused_in_one_line(capsys):
+    assert host_costs.main(["--variants", "baseline,nope"]) == 2
+    assert capsys.readouterr().err.strip().startswith("host_costs: unknown variant 'nope'")

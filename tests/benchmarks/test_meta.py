@@ -30,7 +30,7 @@ def test_no_checkout_no_code(tmp_path, monkeypatch):
 
 def test_a_benchmark_json_carries_it(tmp_path):
     out = tmp_path / "hops.json"
-    args = ["--layers", "2", "--dim", "8", "--blocks", "2", "--rank", "4", "--json", str(out)]
+    args = ["--layers", "16", "--dim", "8", "--blocks", "2", "--rank", "4", "--json", str(out)]
     assert pipeline_hops.main(args) == 0
     written = json.loads(out.read_text())
-    assert KEYS <= set(written) and written["args"]["layers"] == 2 and written["tables"]
+    assert KEYS <= set(written) and written["args"]["layers"] == 16 and written["tables"]

@@ -98,3 +98,26 @@ def test_rounds_run_with_the_collector_off_as_the_trainer_runs(monkeypatch):
                      progress=lambda _: None)  # fmt: skip
     # per round: the two steps, then the fixed workload with the collector back on
     assert seen == [False, False, True] * 2 and gc.isenabled()
+
+
+def test_table_gives_each_variant_over_torchtitan_and_over_the_baseline():
+    times = {"torchtitan": [1.0, 1.0, 1.0], "baseline": [1.0, 1.1, 1.0],
+             "sliced8_r64": [1.2, 1.21, 1.1]}  # fmt: skip
+    shape = overhead.Shape(2, 8, 4)
+    result = overhead.summarize(times, list(times), shape)
+    assert result["sliced8_r64"]["median_overhead_vs_torchtitan_pct"] == pytest.approx(20)
+    assert result["sliced8_r64"]["median_overhead_pct"] == pytest.approx(10)
+    header, *rows = overhead.table(result).splitlines()
+    assert "over torchtitan" in header and "over baseline" in header
+    row = next(r for r in rows if r.startswith("sliced8_r64"))
+    assert "1.200x" in row and "1.100x" in row
+    del times["torchtitan"]
+    rows = overhead.table(overhead.summarize(times, list(times), shape)).splitlines()[1:]
+    row = next(r for r in rows if r.startswith("sliced8_r64"))
+    assert "1.100x" in row and " - " in row  # over the baseline only: torchtitan's is '-'
+
+
+@pytest.mark.parametrize("name", ["block8:layer", "sliced", "projected8_x", "torchtitan2"])
+def test_unknown_variant_names_are_refused(name):
+    with pytest.raises(ValueError, match="unknown variant"):
+        overhead.parse_variant(name)

@@ -1,0 +1,126 @@
+"""The benchmarks' models have torchtitan's units: a model of L layers is L compiled units (and,
+under FSDP2, L FSDP units beside torchtitan's own), trains three steps without a recompile, with
+or without activation checkpointing, and several models compiled in one process (variants,
+sizes) train without reaching dynamo's recompile limit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from benchmarks import overhead
+
+# 8 sublayers: sliced3 ends blocks inside layers (after an attention), projected2 after MLPs
+SHAPE = overhead.Shape(layers=4, dim=32, seq=8, heads=2, vocab=64, hidden=64)
+ROUTED = ("sliced3_r8", "projected2_r8", "full")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _step(model, shape=SHAPE, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, shape.vocab, (1, shape.seq + 1), generator=g)
+    return overhead.Step(model, data[:, :-1], data[:, 1:].flatten(), False, False)
+
+
+def _build(name, shape=SHAPE, ac="none", compile_=True):
+    return overhead.build(name, shape, "cpu", torch.float32, compile_, ac=ac, backend="aot_eager")
+
+
+def _plans(model) -> int:
+    """Distinct layer plans of ``model`` (1 for the plain residual)."""
+    plan = model.router
+    if not plan.routed:
+        return 1
+    return len(
+        {(p.sources, p.partial_in, p.ends) for p in map(plan.layer, range(len(model.layers)))}
+    )
+
+
+def _compiled_units(model) -> list:
+    return [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+@pytest.mark.parametrize("name", ["torchtitan", "baseline", *ROUTED])
+def test_a_model_of_l_layers_is_l_compiled_units(name, ac):
+    model = _build(name, ac=ac)
+    units = _compiled_units(model)
+    assert len(units) == SHAPE.layers
+    assert [id(u) for u in units] == [id(u) for u in model.layers.values()]
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+@pytest.mark.parametrize("name", ["baseline", *ROUTED])
+def test_three_steps_compile_once_per_plan_and_never_again(name, ac):
+    """One graph per layer plan, made in the first step; no recompile in three steps (a code
+    object with a second graph would fail at once: the recompile limit is 1)."""
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        model = _build(name, ac=ac)
+        step = _step(model)
+        losses = [step().item() for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == _plans(model), dict(counters["stats"])
+
+
+def test_full_ac_three_steps_no_recompile():
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        model = _build("projected2_r8", ac="full")
+        step = _step(model)
+        for _ in range(3):
+            step()
+    assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+def test_models_of_several_variants_and_sizes_train_in_one_process():
+    """Variants and sizes built and compiled side by side, their steps interleaved as the
+    benchmark's rounds interleave them, under dynamo's own recompile limit: none reaches it (a
+    layer plan shared by two sizes compiles a second, dynamic graph)."""
+    deeper = overhead.Shape(layers=6, dim=48, seq=8, heads=2, vocab=64, hidden=96)
+    cases = [(name, SHAPE) for name in ("torchtitan", "baseline", *ROUTED)]
+    cases += [("baseline", deeper), ("sliced3_r8", deeper), ("full", deeper)]
+    steps = [_step(_build(name, shape), shape) for name, shape in cases]
+    for _ in range(2):
+        for step in steps:
+            assert torch.isfinite(step())
+    assert counters["graph_break"] == {}, dict(counters["graph_break"])
+
+
+def _fsdp_groups(model) -> int:
+    """FSDP units of ``model``: distinct states of its ``fully_shard``-ed modules."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return len({id(m._get_fsdp_state()) for m in model.modules() if isinstance(m, FSDPModule)})
+
+
+@pytest.mark.parametrize("name", ["torchtitan", "projected2_r8"])
+def test_fsdp_units_are_the_layers_and_torchtitans_own(name):
+    """torchtitan's ``apply_fsdp_to_decoder`` on a one-rank gloo group: one unit per layer, and
+    torchtitan's own (the embedding; the final norm with the head; the root, which holds the
+    projected variant's embedding key); compiled, three steps without a recompile."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    from titan_lrattnres.evaluation.memory import process_group
+
+    with process_group(1, fake=False):
+        model = _build(name)
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",))
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32,
+                              reduce_dtype=torch.float32, pp_enabled=False)  # fmt: skip
+        assert _fsdp_groups(model) == SHAPE.layers + 3
+        assert len(_compiled_units(model)) == SHAPE.layers
+        step = _step(model)
+        with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+            for _ in range(3):
+                assert torch.isfinite(step())
+    assert not counters["recompiles"], dict(counters["recompiles"])
