@@ -67,7 +67,8 @@ _NAME = re.compile(r"(attnres|sliced|projected)(\d+|full)(?:_r(\d+))?")
 
 
 def parse_variant(name: str) -> tuple[str, int | None, int]:
-    """``(variant, blocks or None, rank)`` of a variant name."""
+    """``(variant, blocks or None, rank)`` of a variant name (an ``@backend`` suffix aside)."""
+    name = name.partition("@")[0]
     if name in VARIANTS:
         return VARIANTS[name]
     m = _NAME.fullmatch(name)
@@ -128,7 +129,9 @@ def build(
     ``backend``) as the trainer compiles them (torchtitan's ``apply_compile``; for the project's
     model through ``titan_lrattnres.parallel.compile.compile_layers``); attention ``attn``
     (default: SDPA on CPU, FlexAttention on GPU). The depth queries stay fp32, as under mixed
-    precision."""
+    precision. ``<variant>@<backend>`` (e.g. ``block8@reference``) runs phase 1 with that
+    ``custom_ops`` backend (``reference``: aten ops that Inductor fuses; default ``auto``: the
+    registered op)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
@@ -136,6 +139,7 @@ def build(
     from titan_lrattnres.model.registry import Flavor, build_model_config
     from titan_lrattnres.parallel.compile import compile_layers
 
+    name, _, depth_backend = name.partition("@")
     variant, blocks, rank = parse_variant(name)
     titan = variant == "torchtitan"
     variant = "baseline" if titan else variant
@@ -151,7 +155,12 @@ def build(
     attn = attn or ("sdpa" if torch.device(device).type == "cpu" else "flex")
     blocks = None if blocks is None else min(blocks, 2 * shape.layers)
     config = build_model_config(
-        flavor, variant=variant, blocks=blocks, rank=min(rank or 64, shape.dim), attn_backend=attn
+        flavor,
+        variant=variant,
+        blocks=blocks,
+        rank=min(rank or 64, shape.dim),
+        attn_backend=attn,
+        depth_backend=depth_backend or "auto",
     )
     model = (torchtitan_decoder_config(config) if titan else config).build()
     model.to(device=device)

@@ -49,6 +49,14 @@ def parse(name: str, overrides: list[str]):
         raise UsageError(f"unknown config {name!r}. Available: {', '.join(sorted(CONFIGS))}")
     from torchtitan.config import ConfigManager
 
+    default = CONFIGS[name]()
+    if default.dataloader.dataset.startswith("stdlib_py") and "--hf_assets_path" not in overrides:
+        # the embedded corpus's tokenizer is the default assets path: build it before
+        # torchtitan checks that the path exists (preflight checks the data itself)
+        from titan_lrattnres.components import data
+
+        if not os.path.isdir(default.hf_assets_path):
+            data.ensure_built()
     return ConfigManager().parse_args(["--module", "titan_lrattnres", "--config", name, *overrides])
 
 

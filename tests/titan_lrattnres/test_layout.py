@@ -13,7 +13,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_lrattnres"
 ROOT = PACKAGE.parent
 COMMANDS = ("train", "generate", "export", "analysis", "longctx", "sweep", "convert", "data")
-# The layers, lowest first (README.md, "Layers"): a unit imports units of lower layers only.
+# The layers, lowest first (README.md, "Layout"): a unit imports units of lower layers only.
 # A unit: a sub-package or root module of titan_lrattnres, or one of the other top-level packages.
 LAYERS = [
     ("custom_ops",),
