@@ -177,8 +177,8 @@ DEPTH_OPS = ("block_read", "read_backward", "merge_partial")  # in the names of 
 
 def _depth_op_ms(prof) -> dict[str, float]:
     """Self CPU time (ms) of each depth-read op in a profiled step, forward and backward: the
-    registered ops (``lrattnres::block_read*``, ``lrattnres::read_backward``) in a compiled
-    layer, their autograd twins (``block_read*_eager`` and its backward) in an eager one."""
+    registered ops (``lrattnres::block_read*``, ``lrattnres::read_backward``) and their autograd
+    nodes."""
     return {
         e.key: e.self_cpu_time_total / 1e3
         for e in prof.key_averages()

@@ -4,7 +4,6 @@ from custom_ops import ops, reference, schedule
 from custom_ops.api import (
     BACKENDS,
     block_read,
-    block_read_backward,
     depth_read,
     depth_read_lse,
     merge_partial,
@@ -14,7 +13,6 @@ from custom_ops.reference import depth_read as reference_depth_read
 __all__ = [
     "BACKENDS",
     "block_read",
-    "block_read_backward",
     "depth_read",
     "depth_read_lse",
     "merge_partial",

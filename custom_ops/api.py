@@ -42,28 +42,6 @@ def _backend(backend: str, like: torch.Tensor) -> str:
     return backend
 
 
-def _route(tensors) -> str:
-    """How a call with these tensors runs: ``"op"`` (the registered op: traces, modes, tensor
-    subclasses), ``"twin"`` (plain eager tensors with an autograd graph to record: the op's
-    ``torch.autograd.Function`` twin, ``ops._eager_twin``) or ``"direct"`` (plain, nothing to
-    record: the implementation itself). Twin and direct compute the op's own function; they
-    only skip the registered op's dispatch, which costs more than a one-token read (cached
-    decoding and a training step make a few such calls per layer; docs/performance.md)."""
-    if not ops.plain(*tensors):
-        return "op"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "twin"
-    return "direct"
-
-
-def _call(op, eager, direct, *args):
-    """``op(*args)``, its eager twin, or ``direct()`` (the implementation), as ``_route`` says."""
-    route = _route(ops.tensors_of(args))
-    if route == "direct":
-        return direct()
-    return eager.apply(*args) if route == "twin" else op(*args)
-
-
 def _validate(values, keys, query, query_dim: int):
     if len(values) == 0:
         raise ValueError("depth_read needs at least one source")
@@ -120,17 +98,9 @@ def depth_read_lse(
     if impl == "reference":
         ref_keys = _reference_keys(values, keys, query)
         return reference.depth_read_with_lse(values, ref_keys, query, eps)
-
-    def direct():
-        return ops.read(values, keys, query, _eps(eps), impl, bank=False)
-
     if keys is None:
-        args = (values, query, _eps(eps), impl)
-        op, eager = torch.ops.lrattnres.depth_read_sliced, ops.depth_read_sliced_eager
-    else:
-        args = (values, keys, query, _eps(eps), impl)
-        op, eager = torch.ops.lrattnres.depth_read, ops.depth_read_eager
-    return _call(op, eager, direct, *args)
+        return torch.ops.lrattnres.depth_read_sliced(values, query, _eps(eps), impl)
+    return torch.ops.lrattnres.depth_read(values, keys, query, _eps(eps), impl)
 
 
 def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch.Tensor:
@@ -138,15 +108,11 @@ def depth_read(values, keys, query, eps=None, *, backend: str = "auto") -> torch
     return depth_read_lse(values, keys, query, eps, backend=backend)[0]
 
 
-def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split: bool = False):
+def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
     """Phase 1 of docs/method.md §7: a query bank ``[c, r]`` against the completed sources.
 
     Each source is read once for all c read sites. Returns ``(out [c, ..., d] FP32, lse [c, ...]
     fp32)``; out is kept in fp32 (not the values' dtype) so the phase-2 merge loses nothing.
-    ``split``: out as the list of its c sites' ``[..., d]`` views instead. The numbers are the
-    same; the backward then takes each site's gradient where it lies, where ``out.unbind(0)``
-    makes autograd stack the c gradients into a ``[c, ..., d]`` copy first (a whole extra
-    pass over them).
     """
     values = list(values)
     keys = None if keys is None else list(keys)
@@ -155,116 +121,10 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto", split:
     if impl == "reference":
         ref_keys = _reference_keys(values, keys, queries)
         fp32 = [v.float() for v in values]
-        out, lse = reference.depth_read_with_lse(fp32, ref_keys, queries, eps)
-        return (list(out.unbind(0)), lse) if split else (out, lse)
-
-    def direct():
-        return ops.read(values, keys, queries, _eps(eps), impl, bank=True)
-
+        return reference.depth_read_with_lse(fp32, ref_keys, queries, eps)
     if keys is None:
-        args = (values, queries, _eps(eps), impl)
-        op = torch.ops.lrattnres.block_read_sliced
-        eager = ops.block_read_sliced_split_eager if split else ops.block_read_sliced_eager
-    else:
-        args = (values, keys, queries, _eps(eps), impl)
-        op = torch.ops.lrattnres.block_read
-        eager = ops.block_read_split_eager if split else ops.block_read_eager
-    out, lse = _call(op, eager, direct, *args)
-    if split and isinstance(out, torch.Tensor):  # the op or direct: the split twin gives a list
-        out = list(out.unbind(0))
-    return out, lse
-
-
-def block_read_backward(
-    values, keys, queries, lse, grad_out, grad_lse, eps=None, *, backend: str = "auto",
-    out=None, accumulate: bool = False,
-):  # fmt: skip
-    """The gradients of :func:`block_read`'s ``(out, lse)`` with respect to its inputs, given
-    the forward's ``lse [c, ...]`` and ``grad_out [c, ..., d]`` (or a sequence of the c sites'
-    ``[..., d]``, None entries zero) / ``grad_lse [c, ...]`` (None: zero): ``(grad_values,
-    grad_keys or None (sliced), grad_queries [c, r])``, each in its input's dtype, the numbers
-    of ``block_read``'s own backward. For a caller that keeps only a read's inputs and
-    recomputes its forward without autograd (activation checkpointing): no graph is recorded,
-    and no nested backward pass runs.
-
-    ``out = (value_grads, key_grads or None)``: contiguous fp32 tensors shaped like the values
-    (keys) that receive the gradients, added to what they hold when ``accumulate``, and are
-    returned in their place. A caller summing each source's gradient over several reads (the
-    depth router) so keeps the sum in fp32, in place: the fused kernels (CPU and Triton) add
-    into the buffers as they go, with no gradient tensor per read and source."""
-    values = list(values)
-    keys = None if keys is None else list(keys)
-    _validate(values, keys, queries, 2)
-    c, lead = queries.shape[0], tuple(values[0].shape[:-1])
-    if tuple(lse.shape) != (c, *lead):
-        raise ValueError(f"lse has shape {tuple(lse.shape)}, the read's is {(c, *lead)}")
-    if out is not None:
-        out = _check_out(out, values, keys)
-    elif accumulate:
-        raise ValueError("accumulate=True needs out, the buffers to add the gradients to")
-    impl = _backend(backend, values[0])
-    if isinstance(grad_out, (list, tuple)):
-        grad_out = list(grad_out)
-        if len(grad_out) != c:
-            raise ValueError(f"grad_out has {len(grad_out)} sites' gradients, the read {c}")
-    if impl == "reference":  # the reference's own autograd
-        if isinstance(grad_out, list):
-            grad_out = ops._stacked(grad_out, values[0])
-        found = _reference_backward(values, keys, queries, grad_out, grad_lse, eps)
-        return (*ops.written(out, accumulate, *found[:2]), found[2])
-    args = [values, keys or [], queries, lse, grad_out, grad_lse, _eps(eps), impl]
-    if ops._backward_direct(*args):  # the implementation, writing into out itself
-        gv, gk, gq = ops._read_backward_any(*args, out, accumulate)
-        return list(gv), (None if keys is None else list(gk)), gq
-    if isinstance(grad_out, list):  # the op takes one tensor
-        args[4] = ops._stacked(grad_out, values[0])
-    gv, gk, gq = torch.ops.lrattnres.read_backward(*args)
-    gk = None if keys is None else list(gk)
-    return (*ops.written(out, accumulate, list(gv), gk), gq)
-
-
-def _check_out(out, values, keys) -> tuple:
-    """``block_read_backward``'s ``out`` as ``(list, list or None)``, once each buffer is known
-    to be a contiguous fp32 tensor of its source's shape on its device; a ValueError otherwise."""
-    if not isinstance(out, (list, tuple)) or len(out) != 2:
-        raise ValueError("out must be (value_grads, key_grads or None)")
-    pairs = [("value", out[0], values)]
-    if keys is not None:
-        pairs.append(("key", out[1], keys))
-    elif out[1] is not None:
-        raise ValueError("out has key gradients, but the keys are sliced (keys=None)")
-    for kind, bufs, like in pairs:
-        if bufs is None or len(bufs) != len(like):
-            have = "none" if bufs is None else len(bufs)
-            raise ValueError(f"out has {have} {kind} gradient buffers for {len(like)} {kind}s")
-        for i, (g, x) in enumerate(zip(bufs, like)):
-            if (
-                g.dtype != torch.float32
-                or g.shape != x.shape
-                or g.device != x.device
-                or not g.is_contiguous()
-            ):
-                raise ValueError(
-                    f"out {kind} gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}"
-                    f"{'' if g.is_contiguous() else ', not contiguous'}: it must be a contiguous "
-                    f"float32 tensor of shape {tuple(x.shape)} on {x.device}"
-                )
-    return list(out[0]), None if keys is None else list(out[1])
-
-
-def _reference_backward(values, keys, queries, grad_out, grad_lse, eps):
-    n, m = len(values), len(keys or ())
-    leaves = [x.detach().requires_grad_() for x in (*values, *(keys or ()), queries)]
-    with torch.enable_grad():
-        ks = leaves[n : n + m] if keys is not None else None
-        outs = block_read(leaves[:n], ks, leaves[-1], eps, backend="reference")
-    pairs = [(o, g) for o, g in zip(outs, (grad_out, grad_lse)) if g is not None]
-    found = [None] * len(leaves)
-    if pairs:
-        outs, grads = zip(*pairs)
-        found = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-    found = [torch.zeros_like(x) if g is None else g for g, x in zip(found, leaves)]
-    return found[:n], (None if keys is None else found[n : n + m]), found[-1]
+        return torch.ops.lrattnres.block_read_sliced(values, queries, _eps(eps), impl)
+    return torch.ops.lrattnres.block_read(values, keys, queries, _eps(eps), impl)
 
 
 def _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm):
@@ -310,6 +170,5 @@ def merge_partial(
     if impl == "reference":
         return _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm)
     args = (out1, lse1, partial_value, partial_key, query, _eps(eps), emit_norm, impl)
-    op, eager = torch.ops.lrattnres.merge_partial, ops.merge_partial_eager
-    h, norm = _call(op, eager, lambda: ops.merge(*args), *args)
+    h, norm = torch.ops.lrattnres.merge_partial(*args)
     return (h, norm) if emit_norm else h

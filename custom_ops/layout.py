@@ -1,11 +1,8 @@
-"""What the fused kernels (C and Triton) read: the row layout and the plain tensor types; torch
-only, shared by both."""
+"""What the fused kernels (C and Triton) read: the row layout; torch only, shared by both."""
 
 from __future__ import annotations
 
 import torch
-
-PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # not DTensor, FakeTensor or any other subclass
 
 
 def rows(x: torch.Tensor) -> torch.Tensor:

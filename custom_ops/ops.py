@@ -28,14 +28,9 @@ torch.compile mis-traces a ``triton_op`` whose kernel gets a tuple built from a 
 (members frozen as constants, writes dropped; docs/ops.md). Inductor would
 not fuse into a user kernel anyway; it launches the whole read as one opaque call.
 
-Eager autograd: plain tensors (``plain``: no trace, no dispatch or function mode, no subclass
-such as DTensor) go through each op's ``torch.autograd.Function`` twin (``*_eager``), built from
-the op's own implementation, context and backward formula, and the backward formulas call the
-backward ops' implementations directly: the dispatcher's ~0.15 ms per call each way is gone
-from a CPU training step's ~4L calls. Everything else calls the registered ops. The bank reads
-have a second twin (``*_split_eager``, ``api.block_read(split=True)``): the same function with
-out given as its c sites' views, whose backward hands the c gradients to the kernel as they are
-(the CPU kernels read them in place; the others get them stacked).
+Autograd: every call goes through the registered op, whose backward formula calls the backward
+op (``lrattnres::read_backward``, ``lrattnres::merge_partial_backward``), so that a trace sees
+it and a double backward is refused.
 """
 
 from __future__ import annotations
@@ -48,7 +43,6 @@ import types
 import torch
 
 from custom_ops import composite, cpu
-from custom_ops.layout import PLAIN_TYPES
 
 BACKENDS = ("reference", "compiled", "triton", "auto")
 
@@ -110,47 +104,13 @@ def _read_fwd(values, keys, queries, eps, impl, out_dtype):
     return _compiled_impl("read_fwd", queries.device, values, keys, queries, eps)
 
 
-def _stacked(grad_outs, like: torch.Tensor):
-    """Per-query gradients ``[..., d]`` (None: zero, fp32 shaped like ``like``) as one ``[C,
-    ..., d]`` tensor; None if all are None."""
-    if all(g is None for g in grad_outs):
-        return None
-    zero = functools.partial(torch.zeros, like.shape, dtype=torch.float32, device=like.device)
-    return torch.stack([zero() if g is None else g for g in grad_outs])
-
-
-def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl, out=None, add=False):
-    """``grad_out``: ``[C, ..., d]`` or a list of C per-query gradients (None: zero), which only
-    the CPU kernels read in place; every other kernel gets them stacked. ``out``: ``(value
-    grads, key grads or None)`` the gradients are written into (added to with ``add``; the
-    fused kernels write them there, the others through a temporary)."""
-    if impl == "compiled" and queries.device.type == "cpu" and (out or isinstance(grad_out, list)):
-        result = cpu.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, out, add)
-        if result is not None:
-            return result
-    if isinstance(grad_out, list):
-        grad_out = _stacked(grad_out, values[0])
+def _read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
     if impl == "triton":
         from custom_ops.kernels import read_bwd
 
-        return read_bwd.read_bwd(
-            values, keys, queries, lse, grad_out, grad_lse, eps, out=out, accumulate=add
-        )
+        return read_bwd.read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps)
     args = (values, keys, queries, lse, grad_out, grad_lse, eps)
-    gv, gk, gq = _compiled_impl("read_bwd", queries.device, *args)
-    return (*written(out, add, gv, gk), gq)
-
-
-def written(out, add: bool, gv, gk) -> tuple:
-    """``(gv, gk)``, value and key gradients a backward made itself, written into ``out =
-    (value buffers, key buffers or None)`` (fp32; added to with ``add``), which are returned in
-    their place; ``(gv, gk)`` as they are when ``out`` is None."""
-    if out is None:
-        return gv, gk
-    for mine, bufs in zip((gv, gk), out):
-        if mine is not None:
-            (torch._foreach_add_ if add else torch._foreach_copy_)(bufs, [g.float() for g in mine])
-    return list(out[0]), None if gk is None else list(out[1])
+    return _compiled_impl("read_bwd", queries.device, *args)
 
 
 def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -163,109 +123,6 @@ def _fresh(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _empty(x: torch.Tensor, shape=None, dtype=None) -> torch.Tensor:
     shape = x.shape if shape is None else shape
     return x.new_empty(shape, dtype=x.dtype if dtype is None else dtype)
-
-
-def plain(*tensors) -> bool:
-    """Whether these are plain eager tensors outside any trace (compile, export) or dispatch /
-    function mode (FSDP, the SPMD type checker): then the ops' implementations and backward
-    formulas may run without the dispatcher, which costs ~0.15 ms a call (``api`` calls them
-    so; a training step makes ~4L read and merge calls, forward and backward)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    if torch._C._len_torch_function_stack():
-        return False
-    return all(t is None or type(t) in PLAIN_TYPES for t in tensors)
-
-
-def tensors_of(args) -> list:
-    """The tensors among ``args``, those inside list arguments included."""
-    found = [a for a in args if isinstance(a, torch.Tensor)]
-    return found + [t for a in args if isinstance(a, list) for t in a]
-
-
-def _eager_twin(name: str, impl, setup_context, backward, tensorlists: bool):
-    """A registered op's autograd as a ``torch.autograd.Function`` for plain eager tensors: its
-    implementation, context and backward formula, without the dispatcher. Traces, modes and
-    tensor subclasses keep calling the op (``api``)."""
-
-    if tensorlists:
-        return _list_twin(name, impl, setup_context, backward)
-
-    def forward(ctx, *inputs):
-        output = impl(*inputs)
-        setup_context(ctx, inputs, output)
-        return output
-
-    members = {"forward": staticmethod(forward), "backward": staticmethod(backward)}
-    return type(f"{name}_eager", (torch.autograd.Function,), members)
-
-
-def _lengths(items) -> tuple:
-    """Per item: its length if it is a list, else None."""
-    return tuple(len(x) if isinstance(x, list) else None for x in items)
-
-
-def _flat(items, lengths) -> list:
-    """``items`` with each list spliced in (a None in place of a list: that many Nones)."""
-    out = []
-    for x, n in zip(items, lengths, strict=True):
-        if n is None:
-            out.append(x)
-        else:
-            out.extend([None] * n if x is None else x)
-    return out
-
-
-def _grouped(flat, lengths) -> list:
-    """The inverse of :func:`_flat`."""
-    out, i = [], 0
-    for n in lengths:
-        out.append(flat[i] if n is None else list(flat[i : i + n]))
-        i += 1 if n is None else n
-    return out
-
-
-def _list_twin(name: str, impl, setup_context, backward):
-    """``_eager_twin`` for ops with ``list[Tensor]`` arguments or results, which an autograd
-    Function sees only as flat tensors: they are spliced in and regrouped here, for the lists at
-    the top level these ops have (torch's ``supports_tensorlist`` walks pytrees instead: ~50 us a
-    call, a quarter of a small read's)."""
-
-    def forward(ctx, shape, *flat):
-        inputs = _grouped(flat, shape[0])
-        output = impl(*inputs)
-        setup_context(ctx, inputs, output)
-        shape[1] = ctx.out_lengths = _lengths(output)
-        ctx.in_lengths = shape[0]
-        return tuple(_flat(output, shape[1]))
-
-    def flat_backward(ctx, *grads):
-        grad_inputs = backward(ctx, *_grouped(grads, ctx.out_lengths))
-        return None, *_flat(grad_inputs, ctx.in_lengths)
-
-    members = {"forward": staticmethod(forward), "backward": staticmethod(flat_backward)}
-    inner = type(f"{name}_eager", (torch.autograd.Function,), members)
-
-    class Twin:
-        @staticmethod
-        def apply(*args):
-            shape = [_lengths(args), None]  # the results' lengths, set by forward
-            return tuple(_grouped(inner.apply(shape, *_flat(args, shape[0])), shape[1]))
-
-    Twin.__name__ = Twin.__qualname__ = f"{name}_eager"
-    return Twin
-
-
-def _backward_direct(*args) -> bool:
-    """Whether a backward formula may call its backward op's implementation itself: eager, and
-    no graph of the backward recorded (create_graph); else the op (which a trace must see, and
-    which refuses a double backward)."""
-    return not torch.is_grad_enabled() and plain(*tensors_of(args))
-
-
-def _backward_call(op, impl, *args):
-    """A backward formula's call of its backward op (``_backward_direct`` says which way)."""
-    return impl(*args) if _backward_direct(*args) else op(*args)
 
 
 # --------------------------------------------------------------------------- read ops
@@ -282,8 +139,8 @@ def read(values, keys, query, eps: float, impl: str, bank: bool):
 
 
 def _read_op(name: str, sliced: bool, bank: bool):
-    """Registers one forward read op (``torch.ops.lrattnres.<name>``); returns its eager twins
-    ``(twin, split twin or None)``. Every variant shares the generic query-bank kernels."""
+    """Registers one forward read op (``torch.ops.lrattnres.<name>``). Every variant shares the
+    generic query-bank kernels."""
 
     def run(values, keys, query, eps, impl):
         return read(values, None if sliced else keys, query, eps, impl, bank)
@@ -325,37 +182,21 @@ def _read_op(name: str, sliced: bool, bank: bool):
         ctx.save_for_backward(*values, *keys, query, output[1])
 
     def backward(ctx, grad_out, grad_lse):
-        """``grad_out`` may be the split twin's list of per-site gradients: the implementation
-        reads it as it is, the op (one tensor) gets it stacked."""
         saved = ctx.saved_tensors
         values, keys, query, lse = saved[: ctx.n], saved[ctx.n : -2], saved[-2], saved[-1]
         if not bank:
             query, lse = query.unsqueeze(0), lse.unsqueeze(0)
             grad_out = None if grad_out is None else grad_out.unsqueeze(0)
             grad_lse = None if grad_lse is None else grad_lse.unsqueeze(0)
-        args = [list(values), list(keys), query, lse, grad_out, grad_lse, ctx.eps, ctx.impl]
-        if isinstance(grad_out, list) and not _backward_direct(*args):
-            args[4] = _stacked(grad_out, values[0])
-        gv, gk, gq = _backward_call(torch.ops.lrattnres.read_backward, _read_backward_any, *args)
+        gv, gk, gq = torch.ops.lrattnres.read_backward(
+            list(values), list(keys), query, lse, grad_out, grad_lse, ctx.eps, ctx.impl
+        )
         gq = gq if bank else gq[0]
         if sliced:
             return list(gv), gq, None, None
         return list(gv), list(gk), gq, None, None
 
     op.register_autograd(backward, setup_context=setup_context)
-    twin = _eager_twin(name, fn, setup_context, backward, tensorlists=True)
-    if not bank:
-        return twin, None
-
-    def split_fn(*inputs):  # the op's function, out given as its c sites' views
-        out, lse = fn(*inputs)
-        return list(out.unbind(0)), lse
-
-    def split_setup(ctx, inputs, output):
-        setup_context(ctx, inputs, (None, output[1]))
-
-    split = _eager_twin(f"{name}_split", split_fn, split_setup, backward, tensorlists=True)
-    return twin, split
 
 
 def _read_backward_impl(
@@ -368,18 +209,9 @@ def _read_backward_impl(
     eps: float,
     impl: str,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
-    return _read_backward_any(values, keys, queries, lse, grad_out, grad_lse, eps, impl)
-
-
-def _read_backward_any(
-    values, keys, queries, lse, grad_out, grad_lse, eps, impl, out=None, add=False
-):  # fmt: skip
-    """``read_backward``'s implementation; ``grad_out`` may also be a list, and ``out`` /
-    ``add`` name buffers the gradients go into (``_read_bwd``; ``api.block_read_backward``)."""
+    """``read_backward``'s implementation (``keys == []``: sliced)."""
     ks = keys if len(keys) else None
-    gv, gk, gq = _read_bwd(values, ks, queries, lse, grad_out, grad_lse, eps, impl, out, add)
-    if out is not None:
-        return gv, gk or [], _fresh(gq, queries.dtype)
+    gv, gk, gq = _read_bwd(values, ks, queries, lse, grad_out, grad_lse, eps, impl)
     gv = [_fresh(g, v.dtype) for g, v in zip(gv, values, strict=True)]
     gk = [] if gk is None else [_fresh(g, k.dtype) for g, k in zip(gk, keys, strict=True)]
     return gv, gk, _fresh(gq, queries.dtype)
@@ -395,12 +227,10 @@ def _(values, keys, queries, lse, grad_out, grad_lse, eps, impl):
     return [_empty(v) for v in values], [_empty(k) for k in keys], _empty(queries)
 
 
-depth_read_eager, _ = _read_op("depth_read", sliced=False, bank=False)
-depth_read_sliced_eager, _ = _read_op("depth_read_sliced", sliced=True, bank=False)
-block_read_eager, block_read_split_eager = _read_op("block_read", sliced=False, bank=True)
-block_read_sliced_eager, block_read_sliced_split_eager = _read_op(
-    "block_read_sliced", sliced=True, bank=True
-)
+_read_op("depth_read", sliced=False, bank=False)
+_read_op("depth_read_sliced", sliced=True, bank=False)
+_read_op("block_read", sliced=False, bank=True)
+_read_op("block_read_sliced", sliced=True, bank=True)
 
 
 # --------------------------------------------------------------------------- merge ops
@@ -459,16 +289,13 @@ def _merge_setup(ctx, inputs, output):
 def _merge_backward(ctx, grad_h, grad_norm):
     out1, lse1, pv, pk, query, h = ctx.saved_tensors
     pk = None if ctx.sliced else pk
-    g = _backward_call(
-        torch.ops.lrattnres.merge_partial_backward,
-        _merge_partial_backward_impl,
-        *(out1, lse1, pv, pk, query, h, grad_h, grad_norm, ctx.eps, ctx.impl),
+    g = torch.ops.lrattnres.merge_partial_backward(
+        out1, lse1, pv, pk, query, h, grad_h, grad_norm, ctx.eps, ctx.impl
     )
     return g[0], g[1], g[2], (None if ctx.sliced else g[3]), g[4], None, None, None
 
 
 _merge_partial.register_autograd(_merge_backward, setup_context=_merge_setup)
-merge_partial_eager = _eager_twin("merge_partial", merge, _merge_setup, _merge_backward, False)
 
 
 def _merge_partial_backward_impl(

@@ -222,43 +222,32 @@ def read_fwd(values, keys, queries, eps: float):
 
 
 def _per_query_rows(grad_out, nc: int, n: int, d: int):
-    """Each query's ``[n, d]`` gradient, from one ``[C, ..., d]`` tensor or from a sequence of
-    C tensors (None entries: zero); None when there is no gradient at all."""
+    """Each query's ``[n, d]`` gradient, from one ``[C, ..., d]`` tensor; None when there is no
+    gradient at all."""
     if grad_out is None:
         return None
-    if isinstance(grad_out, torch.Tensor):
-        g = _flat(grad_out)
-        return [At(g, c * n * d) for c in range(nc)]
-    return [_flat(g) for g in grad_out]
+    g = _flat(grad_out)
+    return [At(g, c * n * d) for c in range(nc)]
 
 
-def read_bwd(
-    values, keys, queries, lse, grad_out, grad_lse, eps: float, out=None, accumulate: bool = False
-):  # fmt: skip
+def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float):
     """``composite.read_bwd`` fused, or None when not applicable. ``grad_out``: ``[C, ..., d]``
-    or a sequence of C per-query gradients ``[..., d]`` (None entries: zero), each read where it
-    lies (``api.block_read(split=True)``'s backward: no stacked copy). ``out``: ``(value grads,
-    key grads or None)``, fp32 buffers the gradients are written into (added to what they hold
-    when ``accumulate``) and returned as; the call checks each before its address is taken."""
-    per_query = grad_out if isinstance(grad_out, (list, tuple)) else (grad_out,)
-    tensors = (queries, lse, *per_query, grad_lse, *values, *(keys or ()))
+    or None."""
+    tensors = (queries, lse, grad_out, grad_lse, *values, *(keys or ()))
     if not _usable(*tensors) or (lib := library()) is None:
         return None
     shape, d = values[0].shape, values[0].shape[-1]
     q = _flat(queries)
     nc, rank = q.shape
     n = values[0].numel() // d if d else 0
-    if out is None:
-        gv = [_empty(shape) for _ in values]
-        gk = None if keys is None else [_empty(k.shape) for k in keys]
-    else:
-        gv, gk = out
+    gv = [_empty(shape) for _ in values]
+    gk = None if keys is None else [_empty(k.shape) for k in keys]
     dq = _empty((nc, rank))
     vp, vs, kp, ks = _sources(values, keys)
     call(lib, "read_bwd", S=len(values), C=nc, n=n, d=d, r=rank, sliced=int(keys is None),
          vp=vp, vs=vs, kp=kp, ks=ks, q=q, eps=float(eps), lse=_flat(lse),
          dout=_per_query_rows(grad_out, nc, n, d), dlse=_flat(grad_lse), gv=gv, gk=gk or gv,
-         acc=int(accumulate), dq=dq, threads=_threads(n))  # fmt: skip
+         acc=0, dq=dq, threads=_threads(n))  # fmt: skip
     return gv, gk, dq
 
 

@@ -21,14 +21,6 @@ token block (written, then summed): at c = 6, d = 1024, one token per block, bf1
 token blocks, one partial for all) would save them, but its loop took 80 -> 110-116 registers
 (ptxas, sm_90, c = 6, d = 1024): 3 -> 2 resident programs per SM, in a kernel whose value loads
 wait on latency. Which wins at r = d is a GPU measurement.
-
-``ACC`` (``out=``, ``accumulate=True``: the depth router's fp32 sums over reads) reads each
-gradient element before its one store and adds to it: 4 + 4 bytes per element in fp32 where a
-separate gradient (2 in bf16) and autograd's addition of it (6) moved 8, in one kernel instead
-of S + 1. ptxas (sm_90, bf16, d = 1024, r = 64): the same registers at c = 3-24 (48-115), but
-108 against 40 at c = 1 (8 KB of shared memory: the prior's tile changes layout), 6 -> 2
-resident programs per SM for Full's one-query reads; against the additions it saves, a GPU
-measurement.
 """
 
 from __future__ import annotations
@@ -51,11 +43,9 @@ def _load_bank_tile(PTR, ct, mask_ct, offs_d, mask_d, D):
 
 
 @triton.jit
-def _store_grad(PTR, g, mask, ACC: tl.constexpr):
-    """``g`` (fp32) stored at ``PTR`` in its dtype, or with ``ACC`` added to what it holds
-    (each element is written by one pass only: value columns, then a sliced key's)."""
-    if ACC:
-        g += tl.load(PTR, mask=mask, other=0.0).to(tl.float32)
+def _store_grad(PTR, g, mask):
+    """``g`` (fp32) stored at ``PTR`` in its dtype (each element is written by one pass only:
+    value columns, then a sliced key's)."""
     tl.store(PTR, g.to(PTR.dtype.element_ty), mask=mask)
 
 
@@ -82,7 +72,6 @@ def _read_bwd_kernel(
     eps,
     SLICED: tl.constexpr,  # key = the value's last R columns; its grad goes into the value's
     HAS_DLSE: tl.constexpr,  # the lse has a gradient
-    ACC: tl.constexpr,  # GVALS / GKEYS get the gradients added to what they hold
     V_ALIGN: tl.constexpr,  # divides D and every value row stride
     K_ALIGN: tl.constexpr,  # divides R and every key row stride
     BLOCK_C: tl.constexpr,
@@ -139,7 +128,7 @@ def _read_bwd_kernel(
                 alpha = tl.load(base + ct, mask=mask_ct, other=0.0) * inv_z
                 gv_ptr = common.pick(GVALS, s) + offs_t[:, None] * D + offs_d[None, :]
                 dv = tl.sum(alpha[:, :, None] * dh, axis=0)
-                _store_grad(gv_ptr, dv, mask_dv, ACC)
+                _store_grad(gv_ptr, dv, mask_dv)
     tl.debug_barrier()
     big_d = tl.zeros([BLOCK_C, BLOCK_T], tl.float32)
     for s in range(S):
@@ -182,10 +171,10 @@ def _read_bwd_kernel(
             if SLICED:
                 gv_ptr = common.pick(GVALS, s) + offs_t[:, None] * D + ((D - R) + offs_r)[None, :]
                 dv = tl.sum(alpha[:, :, None] * dh, axis=0) + dk
-                _store_grad(gv_ptr, dv, mask_tr, ACC)
+                _store_grad(gv_ptr, dv, mask_tr)
             else:
                 gk_ptr = common.pick(GKEYS, s) + offs_t[:, None] * R + offs_r[None, :]
-                _store_grad(gk_ptr, dk, mask_tr, ACC)
+                _store_grad(gk_ptr, dk, mask_tr)
         tl.store(
             dq_base + offs_c[:, None] * R + offs_r[None, :],
             dq,
@@ -193,33 +182,26 @@ def _read_bwd_kernel(
         )
 
 
-def read_bwd(
-    values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None, out=None,
-    accumulate: bool = False,
-):  # fmt: skip
+def read_bwd(values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None):
     """Triton backward of ``composite.read_bwd`` (same arguments and result layout).
 
-    Gradients come back in the dtype of the tensor they belong to (values, keys), dq in fp32;
-    or, given ``out = (value grads, key grads or None)`` (contiguous, shaped like the values and
-    keys), in those, added to what they hold when ``accumulate``.
+    Gradients come back in the dtype of the tensor they belong to (values, keys), dq in fp32.
     """
     launch, grad_values, grad_keys, dq = read_bwd_launch(
-        values, keys, queries, lse, grad_out, grad_lse, eps, block_budget, out=out,
-        accumulate=accumulate,
-    )  # fmt: skip
+        values, keys, queries, lse, grad_out, grad_lse, eps, block_budget
+    )
     launch()
-    if grad_keys is not None and out is None:  # mixed key dtypes: read in their promoted one
+    if grad_keys is not None:  # mixed key dtypes: read in their promoted one
         grad_keys = [g.to(k.dtype) for g, k in zip(grad_keys, keys, strict=True)]
     return grad_values, grad_keys, dq.sum(0)
 
 
 def read_bwd_launch(
-    values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None, gpu=None,
-    out=None, accumulate: bool = False,
-):  # fmt: skip
+    values, keys, queries, lse, grad_out, grad_lse, eps: float, block_budget=None, gpu=None
+):
     """``(common.Launch, grad_values, grad_keys, dq partials [P, C, r])``: what ``read_bwd``
-    launches, with its (unwritten) results; grad_keys are in ``common.key_dtype(keys)`` (or
-    ``out``'s, see ``read_bwd``). ``gpu`` is passed to ``common.blocks``."""
+    launches, with its (unwritten) results; grad_keys are in ``common.key_dtype(keys)``.
+    ``gpu`` is passed to ``common.blocks``."""
     lead, d = values[0].shape[:-1], values[0].shape[-1]
     nc, rank = queries.shape
     dev = queries.device
@@ -230,14 +212,10 @@ def read_bwd_launch(
     dout = grad_out.reshape(nc, t, d).contiguous()
     lse2 = lse.reshape(nc, t).float().contiguous()
     dlse = lse2 if grad_lse is None else grad_lse.reshape(nc, t).float().contiguous()
-    if out is not None:
-        gv = [g.view(t, d) for g in out[0]]
-        gk = None if keys is None else [g.view(t, rank) for g in out[1]]
-    else:
-        gv = [torch.empty((t, d), dtype=values[0].dtype, device=dev) for _ in range(n)]
-        gk = None
-        if keys is not None:
-            gk = [torch.empty((t, rank), dtype=src.keys[0].dtype, device=dev) for _ in range(n)]
+    gv = [torch.empty((t, d), dtype=values[0].dtype, device=dev) for _ in range(n)]
+    gk = None
+    if keys is not None:
+        gk = [torch.empty((t, rank), dtype=src.keys[0].dtype, device=dev) for _ in range(n)]
     bc, bt, bd, br, warps = common.blocks(nc, d, rank, block_budget, gpu, beside_acc=True)
     programs = triton.cdiv(t, bt)
     scratch = torch.empty((n, 3, nc, t), dtype=torch.float32, device=dev)
@@ -249,13 +227,10 @@ def read_bwd_launch(
         (src.values, src.value_strides, src.keys, src.key_strides, common.padded(gv, n2),
          None if gk is None else common.padded(gk, n2), queries.contiguous(), lse2, dout, dlse,
          scratch, rstd, dq, n, t, d, rank, nc, eps),
-        dict(SLICED=keys is None, HAS_DLSE=grad_lse is not None, ACC=bool(accumulate),
-             V_ALIGN=src.value_align,
+        dict(SLICED=keys is None, HAS_DLSE=grad_lse is not None, V_ALIGN=src.value_align,
              K_ALIGN=src.key_align, BLOCK_C=bc, BLOCK_T=bt, BLOCK_D=bd, BLOCK_R=br),
         warps,
     )  # fmt: skip
-    if out is not None:
-        return launch, list(out[0]), None if keys is None else list(out[1]), dq
     grad_values = [g.view(*lead, d) for g in gv]
     grad_keys = None if gk is None else [g.view(*lead, rank) for g in gk]
     return launch, grad_values, grad_keys, dq

@@ -45,7 +45,7 @@ def test_model_steps_report_each_depth_op_in_place():
     ops = row["ops"]
     # 2 layers, each a phase-1 read for its two sites, forward and backward (the merges with
     # the partial are aten ops)
-    assert {"block_read_sliced_eager", "block_read_sliced_eagerBackward"} <= set(ops)
+    assert {"lrattnres::block_read_sliced", "lrattnres::read_backward"} <= set(ops)
     for name, ms in ops.items():
         assert ms["a"] > 0 and ms["b"] > 0, name
 

@@ -28,7 +28,7 @@ def test_cases_parse_and_refuse_in_one_line():
 def test_kernel_classes():
     kernel_class = step_profile.kernel_class
     assert kernel_class("_read_fwd_kernel") == "depth reads"
-    assert kernel_class("block_read_sliced_split_eagerBackward") == "depth reads"
+    assert kernel_class("lrattnres::read_backward") == "depth reads"
     assert kernel_class("_KeptReadBackward") == "depth reads"  # the router's phase 1, on CPU
     assert kernel_class("triton_poi_fused_add_mul_0") == "Inductor fused"
     assert kernel_class("## Call CompiledFxGraph fdhnzks ##") == "Inductor fused"

@@ -105,7 +105,7 @@ def _public_inputs(case: ReadCase, n_queries: int):
 
 def _public_calls(values, keys, queries, phase1, upstream):
     """``(name, outputs and gradients)`` of each public op that the fused kernels serve on CPU:
-    the single-query read, the bank read (stacked and split), the merge with its norm."""
+    the single-query read, the bank read, the merge with its norm."""
     leaves = [*values, *(keys or ()), queries]
     results = []
     h, lse = custom_ops.depth_read_lse(values, keys, queries[0])
@@ -114,10 +114,6 @@ def _public_calls(values, keys, queries, phase1, upstream):
     out, lse = custom_ops.block_read(values, keys, queries)
     ups = (upstream["out"], upstream["lse"])
     results.append(("block_read", [out, lse, *torch.autograd.grad((out, lse), leaves, ups)]))
-    outs, lse = custom_ops.block_read(values, keys, queries, split=True)
-    ups = (*upstream["out"].unbind(0), upstream["lse"])
-    grads = torch.autograd.grad((*outs, lse), leaves, ups)
-    results.append(("block_read split", [*outs, lse, *grads]))
     out1, lse1 = phase1
     pk = None if keys is None else keys[-1]
     h, norm = custom_ops.merge_partial(out1, lse1, values[-1], pk, queries[0], emit_norm=True)
@@ -165,20 +161,15 @@ def _direct_inputs(case: ReadCase, n_queries: int):
 
 def _direct_calls(module, values, keys, queries, lse, dout, dlse, merge, h, grad_h, grad_norm):
     """``(name, results)`` of every kernel entry point of ``module`` (``cpu`` or ``composite``,
-    the same functions); the per-query gradient table (one entry None) only in ``cpu``."""
+    the same functions)."""
     eps = DEFAULT_EPS
     gv, gk, dq = module.read_bwd(values, keys, queries, lse, dout, dlse, eps)
     results = [
         ("read_fwd", list(module.read_fwd(values, keys, queries, eps))),
         ("read_bwd", [*gv, *(gk or ()), dq]),
     ]
-    rows = [None if c == 1 else dout[c] for c in range(len(dout))]
-    if module is cpu:
-        gv, gk, dq = module.read_bwd(values, keys, queries, lse, rows, None, eps)
-    else:
-        stacked = torch.stack([torch.zeros_like(dout[0]) if r is None else r for r in rows])
-        gv, gk, dq = module.read_bwd(values, keys, queries, lse, stacked, None, eps)
-    results.append(("read_bwd per query", [*gv, *(gk or ()), dq]))
+    gv, gk, dq = module.read_bwd(values, keys, queries, lse, dout, None, eps)
+    results.append(("read_bwd without grad_lse", [*gv, *(gk or ()), dq]))
     for emit_norm in (False, True):
         h2, norm = module.merge_fwd(*merge, eps, emit_norm)
         results.append((f"merge_fwd emit_norm={emit_norm}", [h2, norm if emit_norm else None]))

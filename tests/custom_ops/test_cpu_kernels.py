@@ -16,7 +16,6 @@ from tests.custom_ops.test_custom_ops_read import (
     check_block_read,
     check_depth_read,
     check_merge_partial,
-    check_split_block_read,
 )
 from tests.custom_ops.tolerances import assert_close, rank_one_cancellation
 
@@ -100,33 +99,11 @@ def test_both_cpu_paths_match_the_reference(monkeypatch, enabled, sliced):
         check_merge_partial(case, emit_norm)
 
 
-@pytest.mark.parametrize("route", ["twin", "double", "op"])
-@pytest.mark.parametrize("sliced", [True, False])
-def test_split_block_read_reads_each_site_in_place(route, sliced):
-    """The fused backward reading the c sites' gradients through its per-query table (one of
-    them absent) is bit for bit the backward of the stacked ``[c, ..., d]`` gradient."""
-    case = ReadCase((3, 70), 40, 12, 6, sliced, torch.float32, seed=9)  # several token chunks
-    check_split_block_read(case, 4, [False, True, False, False], route)
-
-
-def test_per_query_gradients_are_the_stacked_one():
-    """``cpu.read_bwd`` with a list of per-query gradients (None: zero) == with their stack."""
-    values, keys, queries = _detached(ReadCase((2, 90), 48, 16, 5, False, torch.float32, 4), 3)
-    lse = cpu.read_fwd(values, keys, queries, 1e-6)[1]
-    g = torch.Generator().manual_seed(5)
-    dout = torch.randn((3, 2, 90, 48), generator=g)
-    dout[1] = 0
-    a = cpu.read_bwd(values, keys, queries, lse, [dout[0], None, dout[2].clone()], None, 1e-6)
-    b = cpu.read_bwd(values, keys, queries, lse, dout, None, 1e-6)
-    for x, y in zip([*a[0], *a[1], a[2]], [*b[0], *b[1], b[2]], strict=True):
-        assert torch.equal(x, y)
-
-
 @pytest.mark.parametrize("n_queries", [8, 9, 12])
 @pytest.mark.parametrize("sliced", [True, False])
 def test_read_backward_past_its_one_pass_rows(n_queries, sliced):
     """The read backward takes up to 8 sites' gradient rows in one pass over them (the dots and
-    the value gradient together) and more in two: both agree with the composite, absent (None)
+    the value gradient together) and more in two: both agree with the composite, zero
     gradients among them; odd d and r so that every column tail runs."""
     case = ReadCase((2, 37), 43, 11, 4, sliced, torch.float32, seed=3)
     values, keys, queries = _detached(case, n_queries)
@@ -134,9 +111,8 @@ def test_read_backward_past_its_one_pass_rows(n_queries, sliced):
     g = torch.Generator().manual_seed(6)
     dout = torch.randn((n_queries, 2, 37, 43), generator=g)
     dout[0] = dout[-2] = 0
-    rows = [None if c in (0, n_queries - 2) else dout[c] for c in range(n_queries)]
     dlse = torch.randn(lse.shape, generator=g)
-    a = cpu.read_bwd(values, keys, queries, lse, rows, dlse, 1e-6)
+    a = cpu.read_bwd(values, keys, queries, lse, dout, dlse, 1e-6)
     b = composite.read_bwd(values, keys, queries, lse, dout, dlse, 1e-6)
     _assert_read_grads_close(a, b, keys)
 

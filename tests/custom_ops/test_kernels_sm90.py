@@ -229,8 +229,7 @@ def _sources(dt, d, r):
 
 def read_launches(dt, d, r, c, sliced):
     """The fwd and bwd launches of a read: a depth read (out in the values' dtype) for c = 1,
-    a query-bank read (fp32 out) otherwise; queries are fp32 master weights. The third: the
-    backward adding into fp32 buffers (``out=``, ``accumulate=True``: the depth router's)."""
+    a query-bank read (fp32 out) otherwise; queries are fp32 master weights."""
     values, keys = _sources(dt, d, r)
     keys = None if sliced else keys
     q = torch.empty(c, r)
@@ -238,11 +237,7 @@ def read_launches(dt, d, r, c, sliced):
     fwd, out, lse = read_fwd.read_fwd_launch(values, keys, q, EPS, out_dtype, gpu=True)
     grads = torch.empty_like(out), torch.empty_like(lse)
     bwd, *_ = read_bwd.read_bwd_launch(values, keys, q, lse, *grads, EPS, gpu=True)
-    bufs = ([torch.empty(v.shape) for v in values], keys and [torch.empty(k.shape) for k in keys])
-    acc, *_ = read_bwd.read_bwd_launch(
-        values, keys, q, lse, *grads, EPS, gpu=True, out=bufs, accumulate=True
-    )
-    return fwd, bwd, acc
+    return fwd, bwd
 
 
 def merge_launches(dt, d, r, sliced, norm):
@@ -311,12 +306,10 @@ def _print_table(rows):
 def read_rows():
     rows = []
     for name, d, r, c, sliced in read_cases():
-        fwd, bwd, acc = read_launches(DTYPES[name], d, r, c, sliced)
+        fwd, bwd = read_launches(DTYPES[name], d, r, c, sliced)
         variant = "sliced" if sliced else "keys"
         rows.append(_row("read_fwd", name, d, r, c, variant, fwd))
         rows.append(_row("read_bwd", name, d, r, c, variant, bwd))
-        if name == "bf16" and d == 1024 and r == 64:
-            rows.append(_row("read_bwd", name, d, r, c, variant + "+acc", acc))
     return rows
 
 

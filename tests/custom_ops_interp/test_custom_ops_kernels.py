@@ -16,8 +16,6 @@ from custom_ops.kernels import common
 from tests.custom_ops.cases import ReadCase, read_cases
 from tests.custom_ops.test_custom_ops_read import (
     check_block_read,
-    check_block_read_backward,
-    check_block_read_backward_into,
     check_depth_read,
     check_merge_partial,
 )
@@ -40,27 +38,6 @@ def test_depth_read_kernels(case):
 @given(read_cases(max_sources=6, widths=WIDTHS, max_tokens=40), st.integers(1, 5))
 def test_block_read_kernels(case, n_queries):
     check_block_read(case, n_queries, backend="triton")
-
-
-@settings(deadline=None, max_examples=6)
-@given(
-    read_cases(max_sources=6, widths=WIDTHS, max_tokens=40),
-    st.integers(1, 5),
-    st.sampled_from(["out", "lse", "both"]),
-)
-def test_block_read_backward_kernels(case, n_queries, wanted):
-    check_block_read_backward(case, n_queries, wanted, "direct", backend="triton")
-
-
-@settings(deadline=None, max_examples=6)
-@given(
-    read_cases(max_sources=6, widths=WIDTHS, max_tokens=40),
-    st.integers(1, 5),
-    st.booleans(),
-    st.booleans(),
-)
-def test_block_read_backward_into_buffers_kernels(case, n_queries, accumulate, per_site):
-    check_block_read_backward_into(case, n_queries, accumulate, per_site, backend="triton")
 
 
 @settings(deadline=None, max_examples=8)
