@@ -15,7 +15,7 @@ import torch
 # class -> name fragments (lower case), first match wins
 CLASSES = (
     ("depth reads", ("_read_fwd_kernel", "_read_bwd_kernel", "_merge_", "block_read",
-                     "merge_partial", "depth_read", "read_backward", "_keptread")),
+                     "merge_partial", "depth_read", "read_backward")),
     ("attention", ("flash", "flex", "attention", "fmha", "sdpa", "scaled_dot_product")),
     ("matmuls", ("gemm", "cutlass", "xmma", "cublas", "nvjet", "aten::mm", "aten::addmm",
                  "aten::bmm", "_mm_")),

@@ -155,7 +155,6 @@ def make_config(
             enable=True,
             interval=checkpoint_interval,
             last_save_model_only=False,
-            initial_load_model_only=False,  # no initial_load_path: resume whole checkpoints
             keep_latest_k=2,
         ),
         activation_checkpoint=None if cpu else SelectiveAC.Config(),
