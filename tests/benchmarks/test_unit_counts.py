@@ -16,12 +16,7 @@ SHAPE = overhead.Shape(layers=4, dim=32, seq=8, heads=2, vocab=64, hidden=64)
 ROUTED = ("sliced3_r8", "projected2_r8", "full")
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _step(model, shape=SHAPE, seed=0):

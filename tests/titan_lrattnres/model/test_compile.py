@@ -18,12 +18,7 @@ class _Dims:  # the two attributes apply_compile reads from ParallelDims
     tp_enabled = False
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize(
