@@ -65,7 +65,7 @@ def build_optimiser(name: str, model):
 
 def _muon_name(name: str) -> bool:
     """Whether ``torch.optim.Muon`` takes the parameter: not the embedding, the head or the
-    depth queries (each layer's ``queries [2, r]``)."""
+    depth queries (each layer's ``queries [n, r]``)."""
     if re.search(QUERIES, name):
         return False
     return not any(s in name for s in ("tok_embeddings", "lm_head"))

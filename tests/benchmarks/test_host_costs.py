@@ -50,7 +50,7 @@ def test_differences_to_torchtitans_decoder(result):
     assert counts["baseline"] == counts["torchtitan"]  # the same step, event for event
     diff = result["sliced2_r8"]["over_torchtitan"]["events"]
     changed = {e: d["count"] for e, d in diff.items() if d["count"]}
-    # the layers' queries [2, r]: one more gradient accumulated per layer
+    # the layers' queries [n, r]: one more gradient accumulated per layer
     assert changed == {"autograd::engine::evaluate_function: torch::autograd::AccumulateGrad": 2}
     assert result["torchtitan"]["over_torchtitan"]["top_level_us"] == 0
 

@@ -34,9 +34,8 @@ def _plans(model) -> int:
     plan = model.router
     if not plan.routed:
         return 1
-    return len(
-        {(p.sources, p.partial_in, p.ends) for p in map(plan.layer, range(len(model.layers)))}
-    )
+    layers = map(plan.layer, range(len(model.layers)))
+    return len({(p.sources, p.partial_in, p.ends, p.index == 0, p.last) for p in layers})
 
 
 def _compiled_units(model) -> list:

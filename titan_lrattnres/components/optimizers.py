@@ -8,7 +8,7 @@
   ``[W^O; W^K]`` projections and the embedding's key ``embedding_key`` included, and each MLP's
   ``w1`` / ``w3`` orthogonalised as one matrix ``[w1; w3]`` (the paper's fused ``fc1``;
   ``fuse_mlp_input``); AdamW (lr 3e-4, betas (0.9, 0.95), wd 0) for the embedding, the LM head,
-  the depth queries (each layer's ``queries [2, r]``, :data:`QUERIES`: AdamW in the paper, in a
+  the depth queries (each layer's ``queries [n, r]``, :data:`QUERIES`: AdamW in the paper, in a
   group of their own ahead of Muon's, which would otherwise take them as matrices) and any 1-D
   parameter.
 - :class:`MomentumLRSchedulers`: torchtitan's LR schedule (the same lambda for both optimisers,
@@ -33,7 +33,7 @@ from titan_lrattnres.components.muon import Muon
 
 MUON_LR, ADAMW_LR = 1e-3, 3e-4
 QUERIES = r"(^|\.)queries$"
-"""The param-group pattern of the depth queries: each layer's ``layers.{i}.queries [2, r]``."""
+"""The param-group pattern of the depth queries: each layer's ``layers.{i}.queries [n, r]``."""
 MLP_INPUT = (("feed_forward.w1.weight", "feed_forward.w3.weight"),)
 """``Muon(fuse=...)`` for the paper's ``fc1 = [W1; W3]``: each MLP's gate and up projections."""
 

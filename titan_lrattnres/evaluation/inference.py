@@ -29,7 +29,6 @@ import contextlib
 import json
 import re
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -108,35 +107,13 @@ def depth_backend(model, backend: str):
 
 
 # -- earlier layouts ------------------------------------------------------------------------------
-_SUBLAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(attention|feed_forward)\.")
+old_layout = convert.old_layout
 
 
-def old_layout(keys: Iterable[str]) -> str | None:
-    """What marks flattened state-dict ``keys`` as an earlier layout of the parameters, None for
-    the current one (one entry of ``layers`` per layer, holding attention and MLP): a
-    ``router.`` parameter (per-site queries, the one-bank ``router.query_bank``, the embedding's
-    key), or a layer entry with an MLP and no attention (one sublayer per entry)."""
-    kinds: dict[str, set[str]] = {}
-    for key in keys:
-        if key.startswith("router.") or ".router." in key:
-            return f"'{key}'"
-        if m := _SUBLAYER.search(key):
-            kinds.setdefault(m.group(1), set()).add(m.group(2))
-    for index, found in sorted(kinds.items()):
-        if found == {"feed_forward"}:
-            return f"'layers.{index}' holds an MLP without attention (one sublayer per entry)"
-    return None
-
-
-def refuse_old_layout(keys: Iterable[str], folder) -> None:
-    """Raise ``convert.OldLayoutError`` (one line, with the converting command) when ``keys``
-    are in an earlier layout (:func:`old_layout`)."""
-    found = old_layout(keys)
-    if found is not None:
-        raise convert.OldLayoutError(
-            f"checkpoint {folder} is in an earlier parameter layout ({found}); convert it once "
-            f"with `python -m titan_lrattnres.convert {folder}`"
-        )
+def refuse_old_layout(entries, folder) -> None:
+    """Raise ``convert.OldLayoutError`` (one line, with the converting command) when
+    ``entries`` (keys mapped to tensors or DCP metadata) are in an earlier layout."""
+    convert.refuse_old_layout(folder, entries)
 
 
 # -- safetensors export --------------------------------------------------------------------------

@@ -1,19 +1,24 @@
 """The depth plan and the read of one site (docs/method.md §1-4, §7).
 
 The layer is the unit (``titan_lrattnres.model.model.Layer``): layer i holds sublayers 2i+1
-(attention) and 2i+2 (MLP) and the queries of read sites 2i+1 and 2i+2, and runs in one graph:
+(attention) and 2i+2 (MLP) and the queries of the read sites that feed them, 2i and 2i+1 (layer
+0: site 1 only, as site 0 is the embedding itself; the last layer also the final read, site 2L).
+It runs in one graph:
 
 1. phase 1: one batched read of the sources completed before the layer (the embedding and the
-   block sums; Full: every earlier output) for both of its sites (``custom_ops.block_read``);
-2. the attention, the partial's update (``P + o``), site 2i+1's merge of phase 1 with what the
-   layer added since (the partial; a block completed at 2i+1 too), the MLP, and the same for
-   site 2i+2.
+   block sums; Full: every earlier output) for all of its sites (``custom_ops.block_read``);
+2. site 2i's read (phase 1 merged with the running partial), the attention, the partial's update
+   (``P + o``), site 2i+1's merge of phase 1 with what came since (the partial; a block
+   completed at 2i+1 too), the MLP, and the last layer's final read.
 
-Every site's read is phase 1 merged with at most two sources by their LSEs: the partial, and a
-block completed inside the layer. Full AttnRes is Block with an end after every sublayer. The
-sources a layer completes go back to the model, which hands every later layer the list: the
-Python between the layers appends to two lists, nothing else (:class:`DepthPlan` fixes which
-layers complete what when the model is built).
+A layer reads its own input, so its input is never a stream of its own: what flows between
+layers is the completed sources and the running partial, which later layers read anyway (under
+activation checkpointing a layer keeps nothing else). Every site's read is phase 1 merged with
+at most two sources by their LSEs: the partial, and a block completed inside the layer. Full
+AttnRes is Block with an end after every sublayer. The sources a layer completes go back to the
+model, which hands every later layer the list: the Python between the layers appends to two
+lists, nothing else (:class:`DepthPlan` fixes which layers complete what when the model is
+built).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ from custom_ops.schedule import schedule_ends
 VARIANTS_ROUTED = ("attnres", "sliced", "projected")
 
 
+def layer_sites(i: int, last: bool) -> tuple[int, ...]:
+    """The read sites whose queries layer i holds, in order: 2i (not for layer 0: site 0 is the
+    embedding alone, with no query), 2i+1, and for the last layer the final read 2i+2."""
+    return (*((2 * i,) if i else ()), 2 * i + 1, *((2 * i + 2,) if last else ()))
+
+
 @dataclass(frozen=True, kw_only=True)
 class LayerPlan:
     """What layer i does with the depth sources, fixed when the model is built."""
@@ -37,10 +48,11 @@ class LayerPlan:
     sources: int  # completed sources before the layer (the embedding included)
     partial_in: bool  # a running partial comes in (the current block began before the layer)
     ends: tuple[bool, bool]  # whether its attention / its MLP ends a block
+    last: bool  # the last layer: it makes the final read (site 2L) too
 
     @property
-    def sites(self) -> tuple[int, int]:
-        return 2 * self.index + 1, 2 * self.index + 2
+    def sites(self) -> tuple[int, ...]:
+        return layer_sites(self.index, self.last)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,6 +98,7 @@ class DepthPlan:
             sources=1 + before,
             partial_in=i > 0 and 2 * i not in ends,
             ends=(2 * i + 1 in ends, 2 * i + 2 in ends),
+            last=i == self.num_layers - 1,
         )
 
 

@@ -3,11 +3,12 @@
 ``model.layers`` holds L :class:`Layer` modules, as torchtitan's decoder holds its transformer
 blocks, so torchtitan's per-block activation checkpointing, ``compile(fullgraph=True)`` and
 FSDP2 apply to each layer. A layer takes the stream ``(h, sources, keys, partial, partial_key)``
-and gives it back, with every depth read of its two sites inside its own graph
-(``titan_lrattnres.model.depth``). Parallelism: FSDP2 / HSDP, tensor parallel with or without
-sequence parallel (``titan_lrattnres.parallel.sharding``); pipeline parallel (stages cut between
-layers, the cross-stage source cache: ``titan_lrattnres.parallel.pipeline``); context parallel
-with FlexAttention (``titan_lrattnres.parallel.context``).
+and gives it back, with every depth read that feeds its sublayers inside its own graph
+(``titan_lrattnres.model.depth``); a routed layer reads its own input, so its ``h`` is None
+but for the last layer's output, the final read. Parallelism: FSDP2 / HSDP, tensor parallel
+with or without sequence parallel (``titan_lrattnres.parallel.sharding``); pipeline parallel
+(stages cut between layers, the cross-stage source cache: ``titan_lrattnres.parallel.pipeline``);
+context parallel with FlexAttention (``titan_lrattnres.parallel.context``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from titan_lrattnres.model.flops import routing_flops
 
 # What flows from layer to layer: h, the completed sources (the embedding, then block sums or,
 # for Full, every output), their keys (projected; else None: sliced tails), the running partial
-# and its key. The baseline's stream is h alone (the rest None).
+# and its key. The baseline's stream is h alone (the rest None); a routed stream's h is None
+# (each layer reads its own input) until the last layer gives the final read.
 Stream = tuple
 
 # One forward function per layer plan, shared by every model (see Layer.__init__)
@@ -51,23 +53,28 @@ def plan_forward(module: nn.Module, layer: Layer) -> None:
 
 
 class Layer(TransformerBlock):
-    """Layer i: attention (sublayer 2i+1), MLP (sublayer 2i+2) and the reads of sites 2i+1 (the
-    MLP's input) and 2i+2 (the next layer's input; the last layer's is the final read).
+    """Layer i: attention (sublayer 2i+1), MLP (sublayer 2i+2) and the reads that feed them,
+    sites 2i (the attention's input; layer 0's is the embedding itself) and 2i+1 (the MLP's);
+    the last layer also makes the final read, site 2L.
 
     ``forward(h, values, keys, partial, partial_key, attention_masks, positions)`` returns
-    ``(h, new_values, new_keys, partial, partial_key)``: h_{2i+2}, the sources the layer
-    completed (and their keys), and the running partial after it. The baseline adds its
-    sublayers' outputs to h, as torchtitan's block does, and returns the same tuple with the
-    rest empty. ``queries [2, r]`` (fp32, zero-initialised) are the two sites' queries.
+    ``(h, new_values, new_keys, partial, partial_key)``: the sources the layer completed (and
+    their keys) and the running partial after it. A routed layer reads its own input from
+    ``values`` and ``partial``: ``h`` is None in and out, except the last layer's output, the
+    final read. The baseline adds its sublayers' outputs to h, as torchtitan's block does, and
+    returns the same tuple with the rest empty. ``queries [n, r]`` (fp32, zero-initialised)
+    are the queries of the layer's read sites (``plan.sites``: 1 row for layer 0, 2 for the
+    others, one more for the last).
 
     For the projected variant each output projection has d + r rows, one weight ``[W^O; W^K]``;
     the key is normalised at emission (fp32), and a block's key is the sum of its members'.
 
-    Each distinct plan (sources in, partial in, block ends) runs its own copy of ``forward``
-    (its own code object), shared by all layers and models with that plan: dynamo keeps one
-    set of graphs per code object, so a deep Full model, or several models in one process,
-    never exhaust one function's recompile limit. A module wrapping a layer (torchtitan's
-    activation checkpointing) gets the same from :meth:`LRAttnResModel.plan_forwards`.
+    Each distinct plan (sources in, partial in, block ends, first or last) runs its own copy of
+    ``forward`` (its own code object), shared by all layers and models with that plan: dynamo
+    keeps one set of graphs per code object, so a deep Full model, or several models in one
+    process, never exhaust one function's recompile limit. A module wrapping a layer
+    (torchtitan's activation checkpointing) gets the same from
+    :meth:`LRAttnResModel.plan_forwards`.
     """
 
     @dataclass(kw_only=True, slots=True)
@@ -90,17 +97,20 @@ class Layer(TransformerBlock):
         self.attention_norm = config.attention_norm.build()
         self.ffn_norm = config.ffn_norm.build()
         if depth.routed:
-            self.queries = nn.Parameter(torch.zeros(2, depth.rank, dtype=torch.float32))
-            self.ends = self.plan.ends
             self.sites = self.plan.sites
+            self.queries = nn.Parameter(
+                torch.zeros(len(self.sites), depth.rank, dtype=torch.float32)
+            )
+            self.ends = self.plan.ends
         self.plan_key = ("baseline",) if self.plan is None else (
-            depth.variant, self.plan.sources, self.plan.partial_in, self.plan.ends
+            depth.variant, self.plan.sources, self.plan.partial_in, self.plan.ends,
+            self.plan.index == 0, self.plan.last,
         )  # fmt: skip
         plan_forward(self, self)
 
     def forward(
         self,
-        h: torch.Tensor,
+        h: torch.Tensor | None,
         values: list[torch.Tensor] | None = None,
         keys: list[torch.Tensor] | None = None,
         partial: torch.Tensor | None = None,
@@ -120,26 +130,41 @@ class Layer(TransformerBlock):
             h = h + attend(self.attention_norm(h))
             return h + self.feed_forward(self.ffn_norm(h)), (), (), None, None
         out1, lse1 = completed_read(values, keys, self.queries, self.eps, self.backend)
+        dtype = values[0].dtype
         new_values, new_keys = [], []
+
+        def read(row, partial, partial_key):  # site sites[row]: phase 1 merged with what came since
+            extras = [*new_values, *([] if partial is None else [partial])]
+            extra_keys = None
+            if self.key_rank:
+                extra_keys = [*new_keys, *([] if partial is None else [partial_key])]
+            query = self.queries[row]
+            if on_read is not None:
+                all_keys = None if keys is None else [*keys, *extra_keys]
+                on_read(self.sites[row], [*values, *extras], all_keys, query)
+            if not extras:
+                return out1[row].to(dtype)
+            return site_read(out1[row], lse1[row], extras, extra_keys, query, self.eps, dtype)
+
+        h = values[0] if self.plan.index == 0 else None  # site 0 reads the embedding alone
+        row = 0
         sublayers = ((attend, self.attention_norm), (self.feed_forward, self.ffn_norm))
         for s, (sublayer, norm) in enumerate(sublayers):
+            if h is None:
+                h, row = read(row, partial, partial_key), row + 1
             o, k = self.emit(sublayer(norm(h)))
+            h = None
             if partial is None:
                 partial, partial_key = o, k
             else:
                 partial = partial + o
                 partial_key = None if k is None else partial_key + k
-            extras = [*new_values, partial]
-            extra_keys = None if k is None else [*new_keys, partial_key]
             if self.ends[s]:
                 new_values.append(partial)
                 new_keys.append(partial_key)
                 partial = partial_key = None
-            query = self.queries[s]
-            if on_read is not None:
-                all_keys = None if keys is None else [*keys, *extra_keys]
-                on_read(self.sites[s], [*values, *extras], all_keys, query)
-            h = site_read(out1[s], lse1[s], extras, extra_keys, query, self.eps, h.dtype)
+        if self.plan.last:
+            h = read(row, partial, partial_key)
         return h, new_values, new_keys if self.key_rank else (), partial, partial_key
 
     def emit(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -261,7 +286,7 @@ class LRAttnResModel(Decoder):
                 plan_forward(entry, layer)
 
     def depth_queries(self) -> list[nn.Parameter]:
-        """Every layer's ``queries [2, r]``, in layer order (none for the baseline)."""
+        """Every layer's ``queries [n, r]``, in layer order (rows in site order: 1..2L)."""
         return [layer.queries for layer in self.layers.values() if hasattr(layer, "queries")]
 
     def set_depth_backend(self, backend: str) -> None:
@@ -272,13 +297,13 @@ class LRAttnResModel(Decoder):
             layer.backend = backend
 
     def start(self, embedding: torch.Tensor) -> Stream:
-        """Site 0: the stream before layer 0 (its read is the identity)."""
+        """The stream before layer 0: the embedding as h (baseline) or as the first source."""
         if not self.router.routed:
             return embedding, None, None, None, None
         keys = None
         if self.embedding_key is not None:
             keys = [key_rmsnorm(self.embedding_key(embedding), self.router.eps)]
-        return embedding, [embedding], keys, None, None
+        return None, [embedding], keys, None, None
 
     def run_layers(self, stream: Stream, call=None) -> Stream:
         """The depth loop over ``self.layers``: ``call(layer, *stream)`` (default: the layer

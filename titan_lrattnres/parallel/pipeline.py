@@ -12,17 +12,18 @@ additions.
   runs the embedding, ``model.start`` and ``run_layers``; a later stage rebuilds the stream
   ``(h, values, keys, partial, partial_key)`` from what it receives and runs ``run_layers``; the
   last stage ends with the norm and the head. A stage boundary after ``cut`` layers carries, as
-  a tuple whose layout is fixed by the static block schedule: ``h`` (the read feeding the next
-  layer), the running partial of the current block when the cut falls inside a block (and its
-  key), then the completed sources -- the embedding and block sums (Full: every sublayer
-  output) -- the receiving rank does not hold yet (values; projected: each with its key).
-  Everything sent is contiguous. The receiving layers read the completed sources in their own
-  phase 1, as in one process.
+  a tuple whose layout is fixed by the static block schedule: the running partial of the
+  current block when the cut falls inside a block (and its key), then the completed sources --
+  the embedding and block sums (Full: every sublayer output) -- the receiving rank does not
+  hold yet (values; projected: each with its key). No ``h``: each layer reads its own input
+  from these (the baseline's boundary carries ``h`` alone). Everything sent is contiguous. The
+  receiving layers read every source in their own phase 1, as in one process.
 - **The cross-stage source cache** (:class:`SourceCache`). With several stages per rank
   (Interleaved1F1B, LoopedBFS), a rank keeps the sources its earlier stage already received or
   produced, and a hop into a later stage on that rank ships only the sources completed since.
   The later stage reads the cached sources through detached leaves; their gradients are handed
-  to the earlier stage's backward by a pass-through node on its output (:class:`_Tap`), so every
+  to the earlier stage's backward by a pass-through node on its first sent tensor
+  (:class:`_Tap`), so every
   source's gradient reaches its producer exactly once, and no backward runs through another
   stage's graph (the "backward through the graph a second time" of naive caching).
 
@@ -67,20 +68,21 @@ class _Slot:
 
 
 class _Tap(torch.autograd.Function):
-    """Identity on ``h``; its backward gives each deposited source the gradient the later stage
-    accumulated into its leaf (that stage's backward has run: it is downstream)."""
+    """Identity on ``x`` (a tensor the stage sends); its backward gives each deposited source the
+    gradient the later stage accumulated into its leaf (that stage's backward has run: it is
+    downstream)."""
 
     @staticmethod
-    def forward(ctx, slot: _Slot, h: torch.Tensor, *sources: torch.Tensor):
+    def forward(ctx, slot: _Slot, x: torch.Tensor, *sources: torch.Tensor):
         ctx.slot, ctx.n = slot, len(sources)
-        return h.view_as(h)
+        return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad_h):
+    def backward(ctx, grad_x):
         leaves = ctx.slot.leaves
         grads = [leaf.grad for leaf in leaves] if leaves is not None else [None] * ctx.n
         ctx.slot.leaves = None
-        return None, grad_h, *grads
+        return None, grad_x, *grads
 
 
 class SourceCache:
@@ -139,9 +141,8 @@ class LRAttnResStage(LRAttnResModel):
         if len(inputs) != hop.tensors(projected, not router.routed):
             raise RuntimeError(f"stage {self.plan.index}: {len(inputs)} inputs, plan {hop}")
         it = iter(inputs)
-        h = next(it)
         if not router.routed:
-            return h, None, None, None, None
+            return next(it), None, None, None, None
         partial = next(it) if hop.partial else None
         partial_key = next(it) if hop.partial and projected else None
         values, keys = [], []
@@ -153,7 +154,7 @@ class LRAttnResStage(LRAttnResModel):
             values.append(next(it))
             if projected:
                 keys.append(next(it))
-        return h, values, keys if projected else None, partial, partial_key
+        return None, values, keys if projected else None, partial, partial_key
 
     def _send(self, stream: Stream) -> tuple[torch.Tensor, ...]:
         router, plan, hop = self.router, self.plan, self.plan.send
@@ -174,10 +175,11 @@ class LRAttnResStage(LRAttnResModel):
             out.append(values[i])
             if router.projected:
                 out.append(keys[i])
+        out = [t.contiguous() for t in out]  # never empty: a stage ends a block or a partial
         if plan.deposit:
             deposit = [*values, *keys] if router.projected else list(values)
-            h = _Tap.apply(self.cache.put(plan.index, deposit), h, *deposit)
-        return tuple(t.contiguous() for t in (h, *out))
+            out[0] = _Tap.apply(self.cache.put(plan.index, deposit), out[0], *deposit)
+        return tuple(out)
 
 
 def attach(model: LRAttnResModel, plan: StagePlan, cache: SourceCache) -> None:

@@ -23,9 +23,10 @@ SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
 # -- the static plan ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Hop:
-    """What the boundary after ``cut`` layers (after sublayer 2·cut) carries: ``h``, the partial
-    (when ``partial``), then sources ``first_source .. n_sources - 1`` (0 = the embedding, i =
-    block i; Full: sublayer output i)."""
+    """What the boundary after ``cut`` layers (after sublayer 2·cut) carries: the partial (when
+    ``partial``), then sources ``first_source .. n_sources - 1`` (0 = the embedding, i = block i;
+    Full: sublayer output i). No ``h``: the next layer reads its own input from these. The
+    baseline's boundary carries ``h`` alone."""
 
     cut: int
     partial: bool
@@ -34,13 +35,13 @@ class Hop:
 
     @property
     def shipped(self) -> int:
-        """Depth-stream values sent besides ``h``: the partial and the uncached sources."""
+        """Depth-stream values sent: the partial and the uncached sources."""
         return int(self.partial) + self.n_sources - self.first_source
 
     def tensors(self, projected: bool, baseline: bool = False) -> int:
         if baseline:
             return 1
-        return 1 + (2 if projected else 1) * self.shipped
+        return (2 if projected else 1) * self.shipped
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,7 @@ def hop_table(
     key_bytes = 4 * rank if projected else 0
 
     def nbytes(hop: Hop) -> int:
-        return 2 * dim + hop.shipped * (2 * dim + key_bytes)
+        return hop.shipped * (2 * dim + key_bytes)
 
     rows = []
     for naive, cached in zip(

@@ -10,7 +10,7 @@ stream between layers (h, the embedding, block sums, partial, keys) and every re
 layer live in the activation layout: with sequence parallel (SP) sequence shards, without SP
 replicated (invariant). The depth read is per token (plain aten maths, and the ``lrattnres::``
 ops with the DTensor rules of ``parallel/op_sharding.py``), so it runs on either unchanged. The
-depth parameters -- each layer's ``queries [2, r]`` (declared on the layer) and the projected
+depth parameters -- each layer's ``queries [n, r]`` (declared on the layer) and the projected
 root ``embedding_key`` -- are declared the way torchtitan declares norm weights: ``I`` on TP
 without SP (each rank computes the same full gradient), ``R`` with SP (each rank's gradient
 covers its own tokens; the partial sums are reduced over TP). Context parallel:

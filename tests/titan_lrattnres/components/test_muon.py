@@ -198,9 +198,9 @@ def test_routing_follows_the_paper_by_name(variant):
     got = routing(opt)
     adamw = {"tok_embeddings.weight", "lm_head.weight"}
     if variant != "baseline":
-        adamw |= {"layers.0.queries", "layers.1.queries"}  # [2, r]: 2-D, still AdamW
+        adamw |= {"layers.0.queries", "layers.1.queries"}  # [n, r]: 2-D, still AdamW
         assert model.get_parameter("layers.1.queries").shape == (
-            2,
+            3,  # sites 2, 3 and the final read 4
             64 if variant == "attnres" else 16,
         )
     muon = set()

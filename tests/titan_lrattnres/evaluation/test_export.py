@@ -121,32 +121,18 @@ def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
         assert torch.equal(rebuilt.state_dict()[k], v), k
 
 
-def _per_sublayer_layout(state: dict) -> dict:
-    """``state`` in the earlier per-sublayer layout: layer i's attention at entry 2i, its MLP
-    at 2i+1, one ``router.query_<t>`` per read site, ``router.embedding_key``."""
-    old = {}
-    for key, value in state.items():
-        parts = key.split(".")
-        if parts[0] == "layers" and parts[2] == "queries":
-            i = int(parts[1])
-            old[f"router.query_{2 * i + 1}"], old[f"router.query_{2 * i + 2}"] = value
-        elif parts[0] == "layers":
-            j = 2 * int(parts[1]) + (parts[2] == "feed_forward")
-            old[".".join(["layers", str(j), *parts[2:]])] = value
-        else:
-            old["router." + key if key.startswith("embedding_key") else key] = value
-    return old
-
-
+@pytest.mark.parametrize("layout", ["sites", "pairs"])
 @pytest.mark.parametrize("kind", ["dcp", "safetensors"])
-def test_earlier_layouts_are_refused_with_the_converting_command(kind, tmp_path):
+def test_earlier_layouts_are_refused_with_the_converting_command(kind, layout, tmp_path):
+    """Per sublayer (told by name) and pairs (told by shape, in DCP metadata and in tensors)."""
     from safetensors.torch import save_file
 
+    from tests.titan_lrattnres.components.test_convert import to_old_layout
     from titan_lrattnres.components.convert import OldLayoutError
     from titan_lrattnres.evaluation.inference import old_layout, save_safetensors
 
     model, args = trained("projected", 2, steps=0)
-    old = _per_sublayer_layout(model.state_dict())
+    old = to_old_layout(model.state_dict(), layout)
     assert old_layout(model.state_dict()) is None
     run = tmp_path / "run"
     if kind == "dcp":
@@ -160,11 +146,12 @@ def test_earlier_layouts_are_refused_with_the_converting_command(kind, tmp_path)
         load_model(run)
     message = str(refused.value)
     assert f"`python -m titan_lrattnres.convert {folder}`" in message and "\n" not in message
+    assert ("has 2 rows" in message) == (layout == "pairs")
     with pytest.raises(SystemExit, match="python -m titan_lrattnres.convert"):
         export.main(["--run", str(run), "--out", str(tmp_path / "out"), "--format", "export"])
     # the baseline's earlier layout has no router parameter: one sublayer per entry tells it
     baseline, _ = trained("baseline", None, steps=0)
-    assert "MLP without attention" in old_layout(_per_sublayer_layout(baseline.state_dict()))
+    assert "MLP without attention" in old_layout(to_old_layout(baseline.state_dict()))
     assert old_layout(["router.query_bank", "tok_embeddings.weight"]) == "'router.query_bank'"
 
 

@@ -54,7 +54,7 @@ def test_fused_backend_matches_reference_in_bf16(build, variant):
 
 @pytest.mark.parametrize("grad", [True, False])
 def test_phase1_runs_once_per_layer(build, monkeypatch, grad):
-    """Each layer reads its completed sources once, for both of its sites: L phase-1 reads a
+    """Each layer reads its completed sources once, for all of its sites: L phase-1 reads a
     forward, with or without autograd."""
     from titan_lrattnres.model import depth
 
@@ -69,8 +69,10 @@ def test_phase1_runs_once_per_layer(build, monkeypatch, grad):
     model = build("deep_debug", variant="sliced", blocks=8, rank=16, depth_backend="compiled")
     with torch.set_grad_enabled(grad):
         model(torch.randint(0, 4096, (1, 8)))
-    # block ends every 6 sublayers (3 layers): layer i reads e and the i // 3 blocks before it
-    assert calls == [(1 + i // 3, (2, 16)) for i in range(24)]
+    # block ends every 6 sublayers (3 layers): layer i reads e and the i // 3 blocks before it,
+    # for sites 2i and 2i+1 (layer 0: site 1; layer 23: the final read 48 too)
+    sites = [1] + [2] * 22 + [3]
+    assert calls == [(1 + i // 3, (sites[i], 16)) for i in range(24)]
 
 
 def _compiled(model, backend: str, ac: str | None = None):

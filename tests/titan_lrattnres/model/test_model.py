@@ -77,7 +77,7 @@ def slow_forward(model, tokens, n_blocks):
         else:
             r = router.rank
             ks = [v[..., -r:] for v in values]
-        q = layers[(j - 1) // 2].queries[(j - 1) % 2].double()
+        q = torch.cat(model.depth_queries())[j - 1].double()  # site order, 1..2L
         logits = torch.stack([(rms(k) * q).sum(-1) for k in ks])
         alpha = torch.softmax(logits, 0)
         h = sum(a.unsqueeze(-1) * v.double() for a, v in zip(alpha, values)).to(e.dtype)
@@ -269,9 +269,13 @@ def test_projected_keys_are_normalised_at_emission(build):
 def test_queries_are_fp32_zero_initialised(build):
     model = build(variant="projected", rank=8, blocks=2, randomize_queries=False)
     queries = {n: p for n, p in model.named_parameters() if "quer" in n}
-    assert list(queries) == ["layers.0.queries", "layers.1.queries"]  # two read sites a layer
+    # the sites feeding each layer: layer 0 site 1 (site 0 has no query), layer 1 sites 2, 3
+    # and the final read 4
+    assert list(queries) == ["layers.0.queries", "layers.1.queries"]
+    assert [q.shape for q in queries.values()] == [(1, 8), (3, 8)]
+    assert [layer.sites for layer in model.layers.values()] == [(1,), (2, 3, 4)]
     for q in queries.values():
-        assert q.dtype == torch.float32 and q.shape == (2, 8) and torch.count_nonzero(q) == 0
+        assert q.dtype == torch.float32 and torch.count_nonzero(q) == 0
 
 
 def test_projected_output_projection_is_one_torchtitan_linear(build):

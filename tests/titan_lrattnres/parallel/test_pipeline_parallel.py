@@ -67,7 +67,7 @@ def test_plan_ships_only_what_the_receiving_rank_lacks():
                                             Hop(4, False, 2, 3)]  # fmt: skip
     assert [(p.take_from, p.deposit) for p in cached] == [(None, True), (None, True), (0, False),
                                                           (1, False)]  # fmt: skip
-    assert [p.send.tensors(projected=True) for p in cached[:3]] == [5, 5, 3]  # h + (v, k) pairs
+    assert [p.send.tensors(projected=True) for p in cached[:3]] == [4, 4, 2]  # (v, k) pairs
     assert cached[0].send.tensors(projected=False, baseline=True) == 1
     one_per_rank = plan_stages(spans, [0, 1, 2, 3], ends)
     assert [p.send for p in one_per_rank] == [p.send for p in naive]  # nothing cached

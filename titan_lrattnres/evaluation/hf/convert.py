@@ -10,7 +10,7 @@ offline without this package. Weight names (torchtitan state dict -> transformer
     layers.{i}.attention.wo   [d (+ r)]   -> self_attn.o_proj (first d rows), .depth_key_proj (r)
     layers.{i}.feed_forward.w1 / w3       -> mlp.gate_proj / mlp.up_proj
     layers.{i}.feed_forward.w2 [d (+ r)]  -> mlp.down_proj (first d rows), mlp.depth_key_proj
-    layers.{i}.queries [2, r], i = 0..L-1 -> model.router.queries [2L, r] (fp32; row t-1 = site t)
+    layers.{i}.queries [n_i, r], i = 0..L-1 -> model.router.queries [2L, r] (fp32; row t-1 = site t)
     embedding_key                         -> model.router.embedding_key
 """
 
@@ -109,7 +109,7 @@ def convert_state_dict(state: dict[str, torch.Tensor], config: LRAttnResConfig) 
         out[mlp + "up_proj.weight"] = take(f + "w3.weight")
         split(f + "w2.weight", "down_proj.weight", mlp)
     if config.variant != "baseline":
-        # layer i's rows: sites 2i+1 and 2i+2, so the layers in order are the sites in order
+        # each layer's rows are its sites in order, so the layers in order are sites 1..2L
         queries = [take(f"layers.{i}.queries") for i in range(n)]
         out["model.router.queries"] = torch.cat(queries).float()
     if projected:
