@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_speed, step_profile
+from benchmarks import gpu_report, gpu_speed, step_profile
 from tests.titan_lrattnres.trainer_runs import tiny_corpus_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,6 +143,9 @@ def test_a_failing_variant_leaves_the_others(tmp_path):
     for name in ("torchtitan", "sliced2_r32"):
         assert len(variants[name]["step_s"]) == 2 and "error" not in variants[name]
     assert variants["sliced2_r32"]["median_overhead_vs_torchtitan_pct"] is not None
+    md = gpu_report.report(json.loads(out.read_text()))  # the committed report's table
+    assert "| baseline | - | - | - | - | - | - | RuntimeError: baseline: made to fail" in md
+    assert "| sliced2_r32 |" in md and "`baseline` made to fail on purpose" in md
 
 
 @pytest.mark.slow
