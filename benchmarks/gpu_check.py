@@ -60,8 +60,9 @@ ms; a paper-shape step is ~10-50 ms), so sections are sized by compilation, each
 (``CAPS``, a hard stop). ops_check: opcheck runs each op ~5 times through aot_dispatch and the
 compiled impl is inductor-compiled per shape (cap 90 s: the first H200 run reached a cap of
 60 s and the second took 56.5 s of it; the Triton impl goes first and results are kept as they
-come; the 30 s more come out of peers, which takes what is left, so the total stays 345 s). memory: the prediction is ~10 s of Python
-dispatch per variant on one CPU core (~50 s from the start, beside sections 1-4); each GPU step
+come; the 30 s more come out of peers, which takes what is left, so the total stays 345 s).
+memory: the prediction is ~10 s of Python dispatch per variant on one CPU core (~50 s from the
+start, beside sections 1-4); each GPU step
 builds the model (~1 s), compiles its variant's Triton depth reads on first use (estimate 5-10 s)
 and runs in ~0.1 s (cap 60 s; the variants done by then are reported). grad_parity: the Triton
 backend only on GPU (the compiled one is covered on CPU by the tests; on CUDA its 8 inductor

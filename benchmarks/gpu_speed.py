@@ -721,7 +721,7 @@ def main(argv=None) -> int:
             return
         res = result.setdefault(name, {})
         t0 = time.perf_counter()
-        if time.time() > deadline - 20:
+        if time.time() > deadline - 20 and name != "step_ratios":  # it skips case by case
             res["skipped"] = "time budget"
         else:
             try:
