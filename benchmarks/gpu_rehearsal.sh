@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU image rehearsed on the CPU (make gpu-rehearsal; not part of make test): a virtual
 # environment of the GPU image's versions, none of this project's own environment: Python 3.12
-# where one is found (else 3.11), torch 2.11.0 (the registry's build, which runs on the CPU), triton 3.6.0 where installable, and
-# the packages the image brings (numpy, pandas, pyarrow, matplotlib, huggingface-hub, tokenizers,
-# pytest); torchtitan and the rest come only from the carried wheels/ (prepare_wheels.sh),
-# installed by gpu_check.sh into a private folder as on the GPU machine, which also puts the
-# torch_compat shims on PYTHONPATH (torch < 2.14). Then both dry runs, end to end:
+# where one is found (else 3.11), torch 2.11.0 (the registry's build, which runs on the CPU),
+# triton 3.6.0 where installable, and the packages the image brings (numpy, pandas, pyarrow,
+# matplotlib, huggingface-hub, tokenizers, tensorboard, pytest); torchtitan and the rest come
+# only from the carried wheels/ (prepare_wheels.sh), installed by gpu_check.sh into a private
+# folder as on the GPU machine, which also puts the torch_compat shims on PYTHONPATH (torch <
+# 2.14). Then both dry runs, end to end:
 #   benchmarks/gpu_check.sh --dry-run            (every section of the check, tiny shapes)
 #   benchmarks/gpu_check.sh --speed --dry-run    (the training-speed plan, tiny shapes; one
 #                                                 variant made to fail on purpose)
@@ -34,13 +35,15 @@ if [ ! -x "$VENV/bin/python" ]; then
     "torch==$TORCH"
   "$VENV/bin/python" -m pip install -q "triton==$TRITON" ||
     echo "[gpu_rehearsal] triton $TRITON not installable here: going on without it"
-  # what the GPU image brings beside torch (torchtitan's and datasets' other imports)
-  "$VENV/bin/python" -m pip install -q numpy pandas "pyarrow>=21" matplotlib huggingface-hub \
-    tokenizers safetensors "fsspec<=2026.2.0" requests tqdm xxhash pyyaml filelock packaging \
-    httpx pytest hypothesis
   touch "$VENV/.complete"
 fi
 [ -f "$VENV/.complete" ] || { echo "gpu_rehearsal: $VENV is incomplete; remove it" >&2; exit 1; }
+# What the GPU image brings beside torch: torchtitan's and datasets' other imports (tensorboard:
+# torchtitan's metrics import it at module level; the GPU image's Trainer ran, so it has it).
+# Installed on every run (a no-op once there), so the list can grow without a new venv.
+"$VENV/bin/python" -m pip install -q numpy pandas "pyarrow>=21" matplotlib huggingface-hub \
+  tokenizers safetensors "fsspec<=2026.2.0" requests tqdm xxhash pyyaml filelock packaging \
+  httpx tensorboard pytest hypothesis 2> >(grep -v "^WARNING: Location" >&2)
 if ! compgen -G "wheels/*.whl" >/dev/null; then
   PYTHON="$VENV/bin/python" benchmarks/prepare_wheels.sh
 fi
@@ -59,7 +62,31 @@ rm -rf "$LRATTNRES_WHEEL_SITE"
 rc=0
 set -o pipefail
 echo "[gpu_rehearsal] gpu_check.sh --dry-run"
-benchmarks/gpu_check.sh "$OUT/check.json" --dry-run 2>&1 | tee "$OUT/check.log" || rc=1
+benchmarks/gpu_check.sh "$OUT/check.json" --dry-run 2>&1 | tee "$OUT/check.log" || true
+# Every section must pass but one known gap: context_parallel's 2 CPU ranks reach
+# fully_shard(dp_mesh_dims=...), which torch 2.11 lacks and torch_compat does not patch (one GPU
+# never reaches it: docs/gpu-check.md, "Not patched"); it is reported, not hidden.
+"$PYTHON" - "$OUT/check.json" <<'PY' || rc=1
+import json, sys
+r = json.load(open(sys.argv[1]))
+bad, known = [], []
+for name in r["caps_s"]:
+    s = r.get(name, {})
+    err = s.get("error") or ("all_ok False" if s.get("all_ok") is False else None)
+    if err is None:
+        continue
+    text = json.dumps(s)
+    if name == "context_parallel" and "dp_mesh_dims" in text:
+        known.append(name)
+    else:
+        bad.append(f"{name}: {str(err).strip().splitlines()[-1][:200]}")
+print(f"[gpu_rehearsal] check dry run: torch {r['versions']['torch']}, "
+      f"shims {r['versions']['torch_compat_patches']}: "
+      + ("every section ok" if not bad else f"BAD: {bad}")
+      + (f"; known gap (not patched): {known} fully_shard(dp_mesh_dims=...) at 2 ranks"
+         if known else ""))
+sys.exit(1 if bad else 0)
+PY
 echo "[gpu_rehearsal] gpu_check.sh --speed --dry-run --fail-variant full"
 # one variant made to fail on purpose: the run reports FAILED for it alone (exit status 1)
 benchmarks/gpu_check.sh --speed "$OUT/speed.json" --dry-run --fail-variant full 2>&1 |

@@ -506,16 +506,17 @@ def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, stored=
             case["error"] = traceback.format_exc()[-3000:]
         case["seconds"] = time.perf_counter() - t0
         case["table"] = case_table(case.get("variants", {}))
+        done = case.get("variants", {})
+        rows = {n: r["profile_ms"] for n, r in done.items() if "profile_ms" in r}
+        if profile and rows:
+            against = "torchtitan" if "torchtitan" in rows else None
+            res["profile"] = dict(case=name, ms_by_class=rows,
+                                  table=profile_table(rows, against))  # fmt: skip
+        rec.save()  # the case whole in the file before it is said to be done
         print(f"[step_ratios] {name} done in {case['seconds']:.1f} s\n{case['table']}", flush=True)
-        if profile:
-            rows = {n: r["profile_ms"] for n, r in case["variants"].items() if "profile_ms" in r}
-            if rows:
-                against = "torchtitan" if "torchtitan" in rows else None
-                res["profile"] = dict(case=name, ms_by_class=rows,
-                                      table=profile_table(rows, against))  # fmt: skip
-                print(f"[profile] {name}\n{res['profile']['table']}", flush=True)
+        if "profile" in res and res["profile"]["case"] == name:
+            print(f"[profile] {name}\n{res['profile']['table']}", flush=True)
         _reset_between_cases()
-        rec.save()
 
 
 def _reset_between_cases():
