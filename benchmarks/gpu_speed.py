@@ -687,7 +687,7 @@ def main(argv=None) -> int:
     plan = Plan(dry, args.cases, args.variants)
     stored, source = stored_compile_seconds()
     # the estimate is the GPU plan's (the dry run runs the same plan: the same compile counts)
-    gpu_plan = Plan(False, args.cases if not dry else None, args.variants) if dry else plan
+    gpu_plan = Plan(False, args.cases, args.variants) if dry else plan
     est = estimate(gpu_plan, sections, stored)
     print(f"[gpu_speed] plan: {', '.join(sections)}; cases {', '.join(plan.config()['cases'])}",
           flush=True)  # fmt: skip
