@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export PYTHONPATH := $(CURDIR)
 
-.PHONY: venv train test lint test-fast bench clean-venv env
+.PHONY: venv train test lint test-fast bench clean-venv env gpu-rehearsal
 
 venv: $(VENV)/.installed
 
@@ -46,6 +46,11 @@ test: venv lint
 
 test-fast: venv
 	$(PY) -m pytest -q -x $(XDIST) -m "not slow" tests --ignore=tests/custom_ops_interp
+
+# The GPU image (Python 3.12, torch 2.11, triton 3.6, torchtitan only from wheels/) rehearsed on
+# the CPU in a venv of its own: both dry runs of benchmarks/gpu_check.sh end to end (not in test).
+gpu-rehearsal:
+	benchmarks/gpu_rehearsal.sh
 
 bench: venv
 	$(PY) -m benchmarks.ops

@@ -198,8 +198,11 @@ def attention_kwargs(model, tokens) -> dict:
 class Step:
     """One training step of a model on fixed tokens: forward, loss, backward (+ AdamW)."""
 
-    def __init__(self, model, tokens, targets, optimizer: bool, cuda_graph: bool):
+    def __init__(self, model, tokens, targets, optimizer: bool, cuda_graph: bool, pool=None):
+        """``pool``: a ``torch.cuda.graph_pool_handle()`` the capture shares with other steps'
+        (replayed in the order they were captured, never concurrently); None: a private one."""
         self.model, self.tokens, self.targets = model, tokens, targets
+        self.pool = pool
         self.kwargs = attention_kwargs(model, tokens)
         self.opt = torch.optim.AdamW(model.parameters(), lr=1e-4) if optimizer else None
         self.graph = None
@@ -229,7 +232,7 @@ class Step:
         torch.cuda.current_stream().wait_stream(side)
         self.model.zero_grad(set_to_none=True)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=self.pool):
             self.loss = self._loss()
             self.loss.backward()
             if self.opt is not None:
