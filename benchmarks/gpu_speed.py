@@ -6,15 +6,20 @@ docs/gpu-check.md). One plan, in this order (what decides the most first):
    eager layers, at a small shape (L=4 d=256 T=256 B=2): standard, S-LR and P-LR Block N=8.
 2. ``step_ratios``, its first case: the paper's (local batch 4, T=2048, bf16, selective AC, no
    CUDA graphs) at the paper's shape (L=24 d=1024, 16 heads, vocabulary 100,277, FlexAttention,
-   every ``model.layers`` entry compiled as torchtitan compiles it), with one profiled step per
-   variant (``profile``: GPU time by kernel class, ``benchmarks.step_profile``, and each routed
+   every ``model.layers`` entry compiled as torchtitan compiles it): torchtitan's decoder, the
+   baseline and S-LR Block N=8 r=64 (``VARIANTS``), with one profiled step per variant
+   (``profile``: GPU time by kernel class, ``benchmarks.step_profile``, and each routed
    variant's difference to torchtitan's decoder).
-3. ``trainer``: the real Trainer, ``paper_baseline`` and ``paper_sliced_block8_r64`` on the
-   embedded corpus, local batch 4 x 2048, no gradient accumulation: torchtitan's logged tokens/s
-   and MFU (medians after the fifth step). Each run has a timeout and its output is streamed.
-4. ``step_ratios``, the other cases: batch 1, then the CUDA-graph cases last (a failed capture
-   can spoil the CUDA context), every capture in one shared graph pool; the CUDA cache emptied
-   and dynamo reset between cases.
+3. ``trainer``: the real Trainer, ``paper_sliced_block8_r64`` (``TRAINER``; ``GPU_SPEED_TRAINER``
+   adds ``paper_baseline`` in a later call) on the embedded corpus, local batch 4 x 2048, no
+   gradient accumulation: torchtitan's logged tokens/s and MFU (medians after the fifth step).
+   Each run has a timeout and its output is streamed.
+4. ``step_ratios``, any other cases asked for (``GPU_SPEED_CASES``; ``REST`` lists them): batch
+   1, then the CUDA-graph cases last (a failed capture can spoil the CUDA context), every
+   capture in one shared graph pool; the CUDA cache emptied and dynamo reset between cases.
+
+A routed model compiles one graph per layer plan (24 at the paper's shape), so one nine-minute
+call holds one routed variant; docs/gpu-check.md gives the later calls.
 
 Figures survive anything: the JSON is rewritten (a temporary file, then ``os.replace``: valid
 JSON at every moment) after every variant of every case, every Trainer run and every section,
@@ -27,10 +32,11 @@ round, so drifts cancel). A case starts only when the time left covers its estim
 the first case measured (compile seconds per variant, step times scaled by the batch);
 otherwise it is recorded as skipped with the reason.
 
-The plan's estimate is printed first: the number of model compiles (cases x variants) times the
-compile seconds the last GPU run stored under ``benchmarks/results/gpu_*/`` (this script's
-``compile_s``, or ``built + warmed`` lines of ``benchmarks.overhead``'s log), else
-``COMPILE_S`` per compile; plus the gate, the Trainer runs and the start-up (``ESTIMATE_S``).
+The plan's estimate is printed first: the layer graphs its models compile (a routed Block or
+Full model at L layers compiles L: ``DepthPlan.graphs``; torchtitan's decoder and the baseline
+one) times the seconds per graph the last GPU run of this script stored under
+``benchmarks/results/gpu_*/`` (``compile_s`` / ``graphs``), else ``COMPILE_GRAPH_S``; plus the
+gate, the Trainer runs and the start-up (``ESTIMATE_S``).
 
 ``--dry-run``: the same plan on the CPU at a tiny shape (L=4 d=64 T=32, eager layers, the gate
 against itself: no Triton on the CPU) and the paper configs through the Trainer at the
@@ -65,22 +71,28 @@ import torch.nn.functional as F
 
 from benchmarks import meta, overhead
 from benchmarks.step_profile import profile_step, profile_table
+from titan_lrattnres.model.depth import DepthPlan
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("torchtitan", "baseline", "block8", "sliced8_r64", "projected8_r32", "full")
-# The default plan (fits 525 s by the estimate printed at the start); the rest: a second call
-CASES = "4:selective,1:none,4:selective:graphs,1:none:graphs"
-REST = "4:none,1:selective,4:none:graphs"
-LATER_VARIANTS = ("torchtitan", "baseline", "sliced8_r64", "projected8_r32")  # after case 1
+VARIANTS = ("torchtitan", "baseline", "sliced8_r64")  # the first case's
+# The default plan fits 525 s by the estimate printed at the start: a routed model compiles one
+# graph per layer (24), so one call holds one routed variant; the rest: later calls
+# (docs/gpu-check.md), e.g. GPU_SPEED_VARIANTS=torchtitan,projected8_r32,block8
+CASES = "4:selective"
+REST = "1:none,4:selective:graphs,1:none:graphs"
+LATER_VARIANTS = ("torchtitan", "baseline", "sliced8_r64")  # after case 1
 BOUNDS = {"full": 15.0}  # % over torchtitan's decoder; every other routed variant: 5 %
-TRAINER = ("paper_baseline", "paper_sliced_block8_r64")
+TRAINER = ("paper_sliced_block8_r64",)  # paper_baseline's run: a later call (GPU_SPEED_TRAINER)
+TRAINER_MODELS = {"paper_sliced_block8_r64": "sliced8_r64"}  # the routed Trainer runs' models
 GATE_VARIANTS = ("block8", "sliced8_r64", "projected8_r32")
 GATE_BOUNDS = {"loss_rel": 1e-4, "grad_rel": 1e-3}  # fp32: Triton vs the aten reference
 # Estimate constants (seconds), used where the repository holds no GPU measurement
-COMPILE_S = 40.0  # one variant's layers compiled at the paper's shape (gpu_check.py's sizing)
+# one layer graph (fwd + bwd) compiled at the paper's shape: an assumption until a GPU run of
+# this script stores its compile_s / graphs (on the 2-core CPU: 6.7 s a graph)
+COMPILE_GRAPH_S = 8.0
 ESTIMATE_S = dict(startup=25.0, gate=30.0, trainer_start=30.0, trainer_step=0.5, step=0.1,
                   capture=5.0)  # fmt: skip
-TRAINER_TIMEOUT_S = 120.0  # per Trainer run
+TRAINER_TIMEOUT_S = 300.0  # per Trainer run (a routed model compiles 24 layer graphs)
 MARGIN_S = 10.0  # kept free at the end: the last JSON write, the report
 
 
@@ -168,11 +180,9 @@ class Plan:
             self.shape = overhead.Shape(4, 64, 32, heads=4, vocab=256)
             self.gate_shape = overhead.Shape(2, 64, 32, heads=4, batch=2, vocab=256)
             self.gate_variants = ("attnres2", "sliced2_r32", "projected2_r32")
-            default_cases = "2:selective,1:none,2:selective:graphs,1:none:graphs"
+            default_cases = "2:selective"  # the GPU plan's case at a batch the CPU can afford
             # the GPU plan's variants, at N=2 (the tiny model has 8 sublayers)
-            self.variants = ("torchtitan", "baseline", "attnres2", "sliced2_r32",
-                             "projected2_r32", "full")  # fmt: skip
-            self.later = ("torchtitan", "baseline", "sliced2_r32", "projected2_r32")
+            self.variants = self.later = ("torchtitan", "baseline", "sliced2_r32")
             self.rounds, self.warmup, self.compile = 2, 1, False
             self.trainer = TRAINER
             self.trainer_steps = 3
@@ -185,6 +195,9 @@ class Plan:
             self.rounds, self.warmup, self.compile = 10, 2, True
             self.trainer = TRAINER
             self.trainer_steps = int(os.environ.get("GPU_SPEED_STEPS", "20"))
+        trainer = os.environ.get("GPU_SPEED_TRAINER")
+        if trainer:
+            self.trainer = tuple(t for t in trainer.split(",") if t)
         cases_text = cases_text or os.environ.get("GPU_SPEED_CASES") or default_cases
         self.cases = order_cases(parse_cases(cases_text))
         chosen = variants or os.environ.get("GPU_SPEED_VARIANTS")
@@ -206,58 +219,60 @@ class Plan:
                               for i, c in enumerate(self.cases)})  # fmt: skip
 
 
-def stored_compile_seconds(root: Path = ROOT / "benchmarks" / "results") -> tuple[dict, str]:
-    """Per variant, the compile seconds the last GPU run stored (the largest over its cases),
-    and where they came from: this script's JSON (``compile_s``), else ``benchmarks.overhead``'s
-    ``built + warmed NAME S s`` log lines; ``({}, reason)`` when the repository has neither."""
+def layer_graphs(name: str, shape: overhead.Shape) -> int:
+    """Compiled graphs of variant ``name``'s model: one per distinct layer plan (the decoder's
+    and the baseline's layers share one; Block and Full: one per layer, ``DepthPlan.graphs``)."""
+    variant, blocks, rank = overhead.parse_variant(name)
+    if variant in ("torchtitan", "baseline"):
+        return 1
+    return DepthPlan(variant=variant, dim=shape.dim, rank=rank or shape.dim,
+                     num_sublayers=2 * shape.layers, blocks=blocks).graphs  # fmt: skip
+
+
+def stored_compile_seconds(root: Path = ROOT / "benchmarks" / "results") -> tuple[float, str]:
+    """Seconds to compile one layer graph on the GPU (fwd + bwd), the largest a stored run of
+    this script measured (a variant's ``compile_s`` over its ``graphs``), and where it came from;
+    ``COMPILE_GRAPH_S`` when the repository holds none."""
     jsons = sorted(root.glob("gpu_*/**/gpu_speed*.json"), key=lambda p: p.stat().st_mtime)
     for path in reversed(jsons):
         try:
             cases = json.loads(path.read_text())["step_ratios"]["cases"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        out: dict[str, float] = {}
-        for case in cases.values():
-            for name, v in (case.get("variants") or {}).items():
-                if isinstance(v, dict) and v.get("compile_s"):
-                    out[name] = max(out.get(name, 0.0), v["compile_s"])
-        if out:
-            return out, str(path.relative_to(ROOT))
-    logs = sorted(root.glob("gpu_*/**/*.log"), key=lambda p: p.stat().st_mtime)
-    line = re.compile(r"built \+ warmed (\S+)\s+([\d.]+) s")
-    for path in reversed(logs):
-        out = {}
-        for name, s in line.findall(path.read_text(errors="replace")):
-            out[name] = max(out.get(name, 0.0), float(s))
-        if out:
-            return out, str(path.relative_to(ROOT)) + " ('built + warmed' lines)"
-    return {}, f"no GPU run stored: COMPILE_S = {COMPILE_S:.0f} s per compile"
+        per_graph = [
+            v["compile_s"] / v["graphs"]
+            for case in cases.values()
+            for v in (case.get("variants") or {}).values()
+            if isinstance(v, dict) and v.get("compile_s") and v.get("graphs")
+        ]
+        if per_graph:
+            return max(per_graph), str(path.relative_to(ROOT))
+    return COMPILE_GRAPH_S, f"no GPU run stored: COMPILE_GRAPH_S = {COMPILE_GRAPH_S:.0f} s a graph"
 
 
-def compile_guess(name: str, stored: dict) -> float:
-    if name in stored:
-        return stored[name]
-    return max(stored.values()) if stored else COMPILE_S
+def compile_guess(name: str, per_graph: float, shape: overhead.Shape) -> float:
+    return layer_graphs(name, shape) * per_graph
 
 
-def estimate(plan: Plan, sections: list[str], stored: dict) -> dict:
-    """Seconds per part of the plan, from the compile counts and ``stored`` compile seconds."""
+def estimate(plan: Plan, sections: list[str], per_graph: float) -> dict:
+    """Seconds per part of the plan, from its compiled graphs and ``per_graph`` seconds each."""
     e = ESTIMATE_S
     parts = {"startup": e["startup"]}
     if "gate" in sections:
         parts["gate"] = e["gate"]
     compiles = 0
-    trainer_s = len(plan.trainer) * min(
-        TRAINER_TIMEOUT_S,
-        e["trainer_start"] + max(stored.values(), default=COMPILE_S)
-        + plan.trainer_steps * e["trainer_step"],
+    trainer_s = sum(
+        min(TRAINER_TIMEOUT_S, e["trainer_start"] + plan.trainer_steps * e["trainer_step"]
+            + compile_guess(TRAINER_MODELS.get(t, "baseline"), per_graph, plan.shape))
+        for t in plan.trainer
     )  # fmt: skip
     for i, (batch, _, graphs) in enumerate(plan.cases if "step_ratios" in sections else []):
         names = plan.case_variants(i)
-        compiles += len(names)
+        compiles += sum(layer_graphs(n, plan.shape) for n in names)
         steps = (plan.warmup + plan.rounds) * 2 * e["step"] * batch / 4
         parts[case_name(*plan.cases[i])] = sum(
-            compile_guess(n, stored) + steps + (e["capture"] if graphs else 0) for n in names
+            compile_guess(n, per_graph, plan.shape) + steps + (e["capture"] if graphs else 0)
+            for n in names
         )
         if i == 0 and "trainer" in sections:  # the Trainer runs after the first case
             parts["trainer"] = trainer_s
@@ -391,6 +406,7 @@ def run_case(case, plan, batch, ac, graphs, names, device, dtype, pool, fail, pr
             loss = step()  # the first call compiles (and, with graphs, the capture ran already)
             overhead._sync(device)
             row["compile_s"] = time.perf_counter() - t0
+            row["graphs"] = layer_graphs(name, plan.shape)
             t0 = time.perf_counter()
             for _ in range(plan.warmup):
                 loss = step()
@@ -468,7 +484,7 @@ def case_table(variants: dict) -> str:
     return "\n".join(lines)
 
 
-def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, stored=None):
+def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, per_graph=None):
     """The cases ``only`` (indices into ``plan.cases``; default all) in turn. Each one after the
     first starts only if the time left covers its estimate from the first case's figures."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -484,7 +500,9 @@ def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, stored=
             cases[name] = {"skipped": "CUDA graphs need a CUDA device"}
             rec.save()
             continue
-        per_variant = _per_variant_estimate(res, batch, graphs, stored or {})
+        per_variant = _per_variant_estimate(
+            res, batch, graphs, per_graph or COMPILE_GRAPH_S, plan.shape
+        )
         need = sum(per_variant(n) for n in names)
         left = deadline - time.time()
         if i > 0 and left < need:
@@ -527,9 +545,9 @@ def _reset_between_cases():
         torch.cuda.empty_cache()
 
 
-def _per_variant_estimate(res, batch, graphs, stored):
+def _per_variant_estimate(res, batch, graphs, per_graph, shape):
     """Seconds one variant of a case is expected to take: the first case's compile and step
-    figures where measured (steps scaled by the batch), else the stored compile seconds."""
+    figures where measured (steps scaled by the batch), else its graphs at ``per_graph``."""
     first = next((c for c in res.get("cases", {}).values() if c.get("variants")), None)
     measured = {}
     if first is not None:
@@ -546,7 +564,7 @@ def _per_variant_estimate(res, batch, graphs, stored):
         elif measured:
             base = max(measured.values())
         else:
-            base = compile_guess(name, stored) + 24 * e["step"] * batch / 4
+            base = compile_guess(name, per_graph, shape) + 24 * e["step"] * batch / 4
         return base + (e["capture"] if graphs else 0)
 
     return guess
@@ -652,7 +670,7 @@ def targets(result: dict) -> list[dict]:
             out.append(dict(target=f"{variant} <= +{bound:.0f} % over torchtitan ({name})",
                             measured=round(pct, 2), ok=pct <= bound))  # fmt: skip
     runs = result.get("trainer", {}).get("runs", {})
-    tps = [runs.get(c, {}).get("tokens_per_s") for c in TRAINER]
+    tps = [runs.get(c, {}).get("tokens_per_s") for c in ("paper_baseline", *TRAINER_MODELS)]
     if all(tps):
         ratio = tps[1] / tps[0]
         out.append(dict(target="Trainer tokens/s routed >= 0.95 x baseline",
@@ -685,14 +703,14 @@ def main(argv=None) -> int:
     if set(sections) - set(SECTIONS):
         p.error(f"unknown sections {sorted(set(sections) - set(SECTIONS))}")
     plan = Plan(dry, args.cases, args.variants)
-    stored, source = stored_compile_seconds()
+    per_graph, source = stored_compile_seconds()
     # the estimate is the GPU plan's (the dry run runs the same plan: the same compile counts)
     gpu_plan = Plan(False, args.cases, args.variants) if dry else plan
-    est = estimate(gpu_plan, sections, stored)
+    est = estimate(gpu_plan, sections, per_graph)
     print(f"[gpu_speed] plan: {', '.join(sections)}; cases {', '.join(plan.config()['cases'])}",
           flush=True)  # fmt: skip
     print(f"[gpu_speed] estimate on the GPU {est['total_s']:.0f} s of "
-          f"{os.environ.get('GPU_CHECK_SECONDS', '525')} s, {est['compiles']} model compiles "
+          f"{os.environ.get('GPU_CHECK_SECONDS', '525')} s, {est['compiles']} layer graphs "
           f"(compile seconds from {source}): {est['parts_s']}", flush=True)  # fmt: skip
     if args.estimate_only:
         return 0
@@ -737,7 +755,7 @@ def main(argv=None) -> int:
 
     def ratios(only):
         return lambda res: step_ratios(res, device, plan, rec, deadline, args.fail_variant,
-                                       only=only, stored=stored)  # fmt: skip
+                                       only=only, per_graph=per_graph)  # fmt: skip
 
     section("gate", lambda res: gate(res, device, plan, rec))
     section("step_ratios", ratios({0}))

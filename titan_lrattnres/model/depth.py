@@ -54,6 +54,11 @@ class LayerPlan:
     def sites(self) -> tuple[int, ...]:
         return layer_sites(self.index, self.last)
 
+    @property
+    def key(self) -> tuple:
+        """What the layer's graph depends on: layers with one key share a compiled graph."""
+        return self.sources, self.partial_in, self.ends, self.index == 0, self.last
+
 
 @dataclass(frozen=True, kw_only=True)
 class DepthPlan:
@@ -88,6 +93,14 @@ class DepthPlan:
     def ends(self) -> list[int]:
         """Block ends in sublayer units (``custom_ops.schedule``)."""
         return schedule_ends(self.num_sublayers, self.blocks, self.block_layers)
+
+    @property
+    def graphs(self) -> int:
+        """Compiled graphs of one model: its distinct layer plans (the baseline's layers: one).
+        Block and Full: ``num_layers``, as the completed sources grow with depth."""
+        if not self.routed:
+            return 1
+        return len({self.layer(i).key for i in range(self.num_layers)})
 
     def layer(self, i: int) -> LayerPlan:
         """Layer i's part of the schedule."""

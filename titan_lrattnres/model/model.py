@@ -102,10 +102,7 @@ class Layer(TransformerBlock):
                 torch.zeros(len(self.sites), depth.rank, dtype=torch.float32)
             )
             self.ends = self.plan.ends
-        self.plan_key = ("baseline",) if self.plan is None else (
-            depth.variant, self.plan.sources, self.plan.partial_in, self.plan.ends,
-            self.plan.index == 0, self.plan.last,
-        )  # fmt: skip
+        self.plan_key = ("baseline",) if self.plan is None else (depth.variant, *self.plan.key)
         plan_forward(self, self)
 
     def forward(
