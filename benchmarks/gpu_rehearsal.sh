@@ -9,7 +9,7 @@
 # 2.14). Then both dry runs, end to end:
 #   benchmarks/gpu_check.sh --dry-run            (every section of the check, tiny shapes)
 #   benchmarks/gpu_check.sh --speed --dry-run    (the training-speed plan, tiny shapes; one
-#                                                 variant made to fail on purpose)
+#                                                 variant, the baseline, made to fail)
 # Output: OUT (default /tmp/lrattnres_rehearsal)/{check,speed}.{json,log}.
 #   benchmarks/gpu_rehearsal.sh [OUT]
 set -euo pipefail
@@ -87,9 +87,9 @@ print(f"[gpu_rehearsal] check dry run: torch {r['versions']['torch']}, "
          if known else ""))
 sys.exit(1 if bad else 0)
 PY
-echo "[gpu_rehearsal] gpu_check.sh --speed --dry-run --fail-variant full"
+echo "[gpu_rehearsal] gpu_check.sh --speed --dry-run --fail-variant baseline"
 # one variant made to fail on purpose: the run reports FAILED for it alone (exit status 1)
-benchmarks/gpu_check.sh --speed "$OUT/speed.json" --dry-run --fail-variant full 2>&1 |
+benchmarks/gpu_check.sh --speed "$OUT/speed.json" --dry-run --fail-variant baseline 2>&1 |
   tee "$OUT/speed.log" || true
 "$PYTHON" - "$OUT/speed.json" <<'PY' || rc=1
 import json, sys
@@ -98,15 +98,18 @@ bad = []
 if not r.get("gate", {}).get("all_ok"):
     bad.append("gate")
 for name, case in r["step_ratios"]["cases"].items():
-    for v, row in (case.get("variants") or {}).items():
-        if ("error" in row) != (v == "full"):
+    rows = case.get("variants") or {}
+    if "made to fail on purpose" not in rows.get("baseline", {}).get("error", ""):
+        bad.append(f"{name}/baseline did not fail")
+    for v, row in rows.items():
+        if ("error" in row) != (v == "baseline"):
             bad.append(f"{name}/{v}: {row.get('error')}")
 for c, run in r["trainer"]["runs"].items():
     if run.get("returncode") != 0 or not run.get("tokens_per_s"):
         bad.append(f"trainer {c}")
 print(f"[gpu_rehearsal] speed dry run: torch {r['versions']['torch']}, "
       f"shims {r['versions']['torch_compat_patches']}, "
-      + ("every figure as expected (full failed on purpose)" if not bad else f"BAD: {bad}"))
+      + ("every figure as expected (baseline failed on purpose)" if not bad else f"BAD: {bad}"))
 sys.exit(1 if bad else 0)
 PY
 echo "[gpu_rehearsal] $([ $rc = 0 ] && echo OK || echo FAILED); logs in $OUT"

@@ -45,8 +45,8 @@ REF, C, TRITON = (
     "custom_ops/cpu/depth_read.c",
     "custom_ops/kernels/merge.py",
 )
-EXTRAS = "extras = [*new_values, partial]"
-SITE = "h = site_read(out1[s], lse1[s], extras, extra_keys, query, self.eps, h.dtype)"
+EXTRAS = "extras = [*new_values, *([] if partial is None else [partial])]"
+SITE = "h, row = read(row, partial, partial_key), row + 1"
 
 # name -> [(file, old, new)]; each old text must occur exactly once in its file
 MUTANTS: dict[str, list[tuple[str, str, str]]] = {
@@ -54,10 +54,10 @@ MUTANTS: dict[str, list[tuple[str, str, str]]] = {
         (DEPTH, "return reference.merge_reads(out1, lse1, out2, lse2)[0]", "return out1"),
     ],
     "a block completed inside the layer left out": [
-        (MODEL, EXTRAS, "extras = [partial]"),
+        (MODEL, EXTRAS, "extras = [] if partial is None else [partial]"),
     ],
     "addition instead of replacement": [
-        (MODEL, SITE, SITE + "\n            h = h + o"),
+        (MODEL, SITE, "h, row = read(row, partial, partial_key) + values[-1], row + 1"),
     ],
     "wrong block end (floor)": [
         (
