@@ -91,6 +91,28 @@ def gate(g: dict) -> list[str]:
     return lines + [""]
 
 
+def variant_table(variants: dict) -> list[str]:
+    """A case's variants as markdown rows (the report's table, and the run's own printout)."""
+    lines = [
+        "| variant | compile s | step ms | tokens/s | over torchtitan | over baseline "
+        "| peak GiB | error / skipped |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for v, row in variants.items():
+        step = row.get("median_step_s")
+        peak = row.get("peak_bytes")
+        lines.append(
+            f"| {v} | {_f(row.get('compile_s'), '.1f')} | "
+            f"{_f(None if step is None else 1e3 * step, '.2f')} | "
+            f"{_f(row.get('tokens_per_s'), ',.0f')} | "
+            f"{_x(row.get('median_overhead_vs_torchtitan_pct'), row.get('ci95_overhead_vs_torchtitan_pct'))} | "  # noqa: E501
+            f"{_x(row.get('median_overhead_vs_baseline_pct'))} | "
+            f"{_f(None if peak is None else peak / 2**30, '.2f')} | "
+            f"{_cell(row.get('error') or row.get('skipped') or '')} |"
+        )
+    return lines
+
+
 def cases(s: dict) -> list[str]:
     if not s:
         return []
@@ -111,23 +133,7 @@ def cases(s: dict) -> list[str]:
         if "skipped" in case:
             lines += [f"skipped: {case['skipped']}", ""]
             continue
-        lines += [
-            "| variant | compile s | step ms | tokens/s | over torchtitan | over baseline "
-            "| peak GiB | error / skipped |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for v, row in (case.get("variants") or {}).items():
-            step = row.get("median_step_s")
-            peak = row.get("peak_bytes")
-            lines.append(
-                f"| {v} | {_f(row.get('compile_s'), '.1f')} | "
-                f"{_f(None if step is None else 1e3 * step, '.2f')} | "
-                f"{_f(row.get('tokens_per_s'), ',.0f')} | "
-                f"{_x(row.get('median_overhead_vs_torchtitan_pct'), row.get('ci95_overhead_vs_torchtitan_pct'))} | "  # noqa: E501
-                f"{_x(row.get('median_overhead_vs_baseline_pct'))} | "
-                f"{_f(None if peak is None else peak / 2**30, '.2f')} | "
-                f"{_cell(row.get('error') or row.get('skipped') or '')} |"
-            )
+        lines += variant_table(case.get("variants") or {})
         if "error" in case:
             lines.append(f"\ncase error: {_cell(case['error'].splitlines()[-1])}")
         lines += ["", f"{_f(case.get('seconds'), '.0f')} s (estimate {case.get('estimate_s')} s)"]

@@ -69,7 +69,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks import meta, overhead
+from benchmarks import gpu_report, meta, overhead
 from benchmarks.step_profile import profile_step, profile_table
 from titan_lrattnres.model.depth import DepthPlan
 
@@ -460,30 +460,6 @@ def _baseline_ratios(variants: dict) -> None:
             row["median_overhead_vs_baseline_pct"] = 100 * ((1 + pct / 100) / (1 + base / 100) - 1)
 
 
-def case_table(variants: dict) -> str:
-    lines = [
-        f"{'variant':<18}{'compile s':>10}{'step s':>10}{'tokens/s':>11}"
-        f"{'over torchtitan':>17}{'over baseline':>15}{'peak GiB':>10}  error/skipped"
-    ]
-    for name, r in variants.items():
-
-        def f(key, fmt, r=r):
-            return format(r[key], fmt) if r.get(key) is not None else "-"
-
-        tt = r.get("median_overhead_vs_torchtitan_pct")
-        base = r.get("median_overhead_vs_baseline_pct")
-        peak = r.get("peak_bytes")
-        lines.append(
-            f"{name:<18}{f('compile_s', '.1f'):>10}{f('median_step_s', '.4f'):>10}"
-            f"{f('tokens_per_s', '.0f'):>11}"
-            f"{'-' if tt is None else f'{1 + tt / 100:.3f}x':>17}"
-            f"{'-' if base is None else f'{1 + base / 100:.3f}x':>15}"
-            f"{'-' if peak is None else f'{peak / 2**30:.2f}':>10}  "
-            + (r.get("error") or r.get("skipped") or "")[:80]
-        )  # fmt: skip
-    return "\n".join(lines)
-
-
 def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, per_graph=None):
     """The cases ``only`` (indices into ``plan.cases``; default all) in turn. Each one after the
     first starts only if the time left covers its estimate from the first case's figures."""
@@ -523,7 +499,7 @@ def step_ratios(res, device, plan: Plan, rec, deadline, fail, only=None, per_gra
         except Exception:  # noqa: BLE001 (recorded; the next case still runs)
             case["error"] = traceback.format_exc()[-3000:]
         case["seconds"] = time.perf_counter() - t0
-        case["table"] = case_table(case.get("variants", {}))
+        case["table"] = "\n".join(gpu_report.variant_table(case.get("variants", {})))
         done = case.get("variants", {})
         rows = {n: r["profile_ms"] for n, r in done.items() if "profile_ms" in r}
         if profile and rows:
