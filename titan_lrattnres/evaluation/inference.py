@@ -106,16 +106,6 @@ def depth_backend(model, backend: str):
         model.set_depth_backend(old)
 
 
-# -- earlier layouts ------------------------------------------------------------------------------
-old_layout = convert.old_layout
-
-
-def refuse_old_layout(entries, folder) -> None:
-    """Raise ``convert.OldLayoutError`` (one line, with the converting command) when
-    ``entries`` (keys mapped to tensors or DCP metadata) are in an earlier layout."""
-    convert.refuse_old_layout(folder, entries)
-
-
 # -- safetensors export --------------------------------------------------------------------------
 def save_safetensors(model: torch.nn.Module, model_args: dict[str, Any], out_dir: str | Path):
     """Write ``model.safetensors`` + ``config.json``; returns the folder."""
@@ -209,7 +199,7 @@ def load_dcp_into(model: torch.nn.Module, folder: str | Path) -> None:
     integrity.check(folder)
     reader = FileSystemReader(str(folder))
     stored = reader.read_metadata().state_dict_metadata
-    refuse_old_layout(stored, folder)
+    convert.refuse_old_layout(folder, stored)
     read = list(model.state_dict())
     prefix = "" if all(k in stored for k in read) else "model."
     missing = [k for k in read if prefix + k not in stored]
@@ -272,7 +262,7 @@ def load_model(
 
         args = model_args or _read_export_config(folder)
         state = load_file(str(folder / WEIGHTS_FILE))
-        refuse_old_layout(state, folder)
+        convert.refuse_old_layout(folder, state)
         model = build_model(args, depth_backend=depth_backend, device=device)
         model.load_state_dict(state, strict=True)
         return model, clean_model_args(args)

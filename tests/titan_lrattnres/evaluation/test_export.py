@@ -128,8 +128,8 @@ def test_earlier_layouts_are_refused_with_the_converting_command(kind, layout, t
     from safetensors.torch import save_file
 
     from tests.titan_lrattnres.components.test_convert import to_old_layout
-    from titan_lrattnres.components.convert import OldLayoutError
-    from titan_lrattnres.evaluation.inference import old_layout, save_safetensors
+    from titan_lrattnres.components.convert import OldLayoutError, old_layout
+    from titan_lrattnres.evaluation.inference import save_safetensors
 
     model, args = trained("projected", 2, steps=0)
     old = to_old_layout(model.state_dict(), layout)
