@@ -10,15 +10,15 @@
 #   benchmarks/gpu_check.sh --dry-run            (every section of the check, tiny shapes)
 #   benchmarks/gpu_check.sh --speed --dry-run    (the training-speed plan, tiny shapes; one
 #                                                 variant, the baseline, made to fail)
-# Output: OUT (default /tmp/lrattnres_rehearsal)/{check,speed}.{json,log}.
-#   benchmarks/gpu_rehearsal.sh [OUT]
+# Output: LOGS (default /tmp/lrattnres_rehearsal)/{check,speed}.{json,log}.
+#   benchmarks/gpu_rehearsal.sh [LOGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-/tmp/lrattnres_rehearsal}
+LOGS=${1:-/tmp/lrattnres_rehearsal}
 VENV=${REHEARSAL_VENV:-$HOME/.cache/titan-lrattnres/gpu-image-torch2.11}
 TORCH=${REHEARSAL_TORCH:-2.11.0}
 TRITON=${REHEARSAL_TRITON:-3.6.0}
-mkdir -p "$OUT"
+mkdir -p "$LOGS"
 
 if [ ! -x "$VENV/bin/python" ]; then
   base=""
@@ -56,17 +56,17 @@ for d in ("torch", "triton", "torchtitan"):
         print(f"[gpu_rehearsal] {d}: not installed (the carried wheels bring torchtitan)")
 PY
 # the venv's own Python, nothing of the project's environment; a fresh wheel site and caches
-export PYTHON="$VENV/bin/python" PYTHONPATH="" LRATTNRES_WHEEL_SITE="$OUT/wheel_site"
+export PYTHON="$VENV/bin/python" PYTHONPATH="" LRATTNRES_WHEEL_SITE="$LOGS/wheel_site"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 LRATTNRES_COMPAT_VERBOSE=1
 rm -rf "$LRATTNRES_WHEEL_SITE"
 rc=0
 set -o pipefail
 echo "[gpu_rehearsal] gpu_check.sh --dry-run"
-benchmarks/gpu_check.sh "$OUT/check.json" --dry-run 2>&1 | tee "$OUT/check.log" || true
+benchmarks/gpu_check.sh "$LOGS/check.json" --dry-run 2>&1 | tee "$LOGS/check.log" || true
 # Every section must pass but one known gap: context_parallel's 2 CPU ranks reach
 # fully_shard(dp_mesh_dims=...), which torch 2.11 lacks and torch_compat does not patch (one GPU
 # never reaches it: docs/gpu-check.md, "Not patched"); it is reported, not hidden.
-"$PYTHON" - "$OUT/check.json" <<'PY' || rc=1
+"$PYTHON" - "$LOGS/check.json" <<'PY' || rc=1
 import json, sys
 r = json.load(open(sys.argv[1]))
 bad, known = [], []
@@ -89,9 +89,9 @@ sys.exit(1 if bad else 0)
 PY
 echo "[gpu_rehearsal] gpu_check.sh --speed --dry-run --fail-variant baseline"
 # one variant made to fail on purpose: the run reports FAILED for it alone (exit status 1)
-benchmarks/gpu_check.sh --speed "$OUT/speed.json" --dry-run --fail-variant baseline 2>&1 |
-  tee "$OUT/speed.log" || true
-"$PYTHON" - "$OUT/speed.json" <<'PY' || rc=1
+benchmarks/gpu_check.sh --speed "$LOGS/speed.json" --dry-run --fail-variant baseline 2>&1 |
+  tee "$LOGS/speed.log" || true
+"$PYTHON" - "$LOGS/speed.json" <<'PY' || rc=1
 import json, sys
 r = json.load(open(sys.argv[1]))
 bad = []
@@ -112,5 +112,5 @@ print(f"[gpu_rehearsal] speed dry run: torch {r['versions']['torch']}, "
       + ("every figure as expected (baseline failed on purpose)" if not bad else f"BAD: {bad}"))
 sys.exit(1 if bad else 0)
 PY
-echo "[gpu_rehearsal] $([ $rc = 0 ] && echo OK || echo FAILED); logs in $OUT"
+echo "[gpu_rehearsal] $([ $rc = 0 ] && echo OK || echo FAILED); logs in $LOGS"
 exit $rc
