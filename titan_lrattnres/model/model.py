@@ -173,6 +173,24 @@ class Layer(TransformerBlock):
         return o, key_rmsnorm(k, self.eps)
 
 
+class EmbeddingKey(Linear):
+    """The projected variant's embedding key ``W_0^K [r, d]``: ``forward(e)`` gives the key of
+    the first source, normalised at emission (fp32) like every other key. The trainer compiles
+    it as it compiles the layers (``titan_lrattnres.parallel.compile``), so the embedding's key
+    and its backward run as one graph each, not as a dozen eager ops."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        eps: float | None = None  # the key RMSNorm's eps (None: the default)
+
+    def __init__(self, config: Config):
+        super().__init__(config)
+        self.eps = config.eps
+
+    def forward(self, embedding: torch.Tensor) -> torch.Tensor:
+        return key_rmsnorm(super().forward(embedding), self.eps)
+
+
 # Logit of a padded vocabulary row: finite (0 * mask = 0 in entropy-style sums, where -inf would
 # give NaN), far below any real logit, exactly 0 after softmax / logsumexp in fp32 and bf16.
 PAD_LOGIT = -1e30
@@ -221,7 +239,7 @@ class LRAttnResModel(Decoder):
     class Config(Decoder.Config):
         router: DepthPlan
         hidden_dim: int
-        embedding_key: Linear.Config | None = None  # projected: W_0^K [r, d]
+        embedding_key: EmbeddingKey.Config | None = None  # projected: W_0^K [r, d]
 
         # The parallel layer's checks and sharding declarations for a trainer config
         # (``titan_lrattnres.parallel.sharding.configure_parallelism``), called as
@@ -297,9 +315,7 @@ class LRAttnResModel(Decoder):
         """The stream before layer 0: the embedding as h (baseline) or as the first source."""
         if not self.router.routed:
             return embedding, None, None, None, None
-        keys = None
-        if self.embedding_key is not None:
-            keys = [key_rmsnorm(self.embedding_key(embedding), self.router.eps)]
+        keys = None if self.embedding_key is None else [self.embedding_key(embedding)]
         return None, [embedding], keys, None, None
 
     def run_layers(self, stream: Stream, call=None) -> Stream:

@@ -24,7 +24,7 @@ from custom_ops import BACKENDS
 from custom_ops.schedule import check_schedule
 from titan_lrattnres.model.depth import DepthPlan
 from titan_lrattnres.model.flops import VARIANTS
-from titan_lrattnres.model.model import Layer, LRAttnResModel, VocabHead
+from titan_lrattnres.model.model import EmbeddingKey, Layer, LRAttnResModel, VocabHead
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def build_model_config(
         layers=layers,
         router=plan,
         embedding_key=(
-            Linear.Config(in_features=d, out_features=rank, param_init=_INIT)
+            EmbeddingKey.Config(in_features=d, out_features=rank, eps=plan.eps, param_init=_INIT)
             if variant == "projected"
             else None
         ),

@@ -13,9 +13,12 @@ module only marks it, and its hooks run the same either way.
 from __future__ import annotations
 
 import dataclasses
+import types
 
 from torchtitan.distributed.compile import apply_compile
 from torchtitan.models.llama3.parallelize import parallelize_llama
+
+from custom_ops.ops import own_code
 
 
 def parallelize_lrattnres(model, *, compile_config, parallel_dims, **kwargs):
@@ -29,6 +32,12 @@ def parallelize_lrattnres(model, *, compile_config, parallel_dims, **kwargs):
 
 def compile_layers(model, compile_config, parallel_dims) -> None:
     """torchtitan's ``apply_compile`` of every layer (or its AC wrapper), after giving each
-    wrapper a forward per layer plan (``LRAttnResModel.plan_forwards``)."""
+    wrapper a forward per layer plan (``LRAttnResModel.plan_forwards``); the projected
+    variant's embedding key (``model.embedding_key``) is compiled the same way, with a forward
+    of its own per model."""
     model.plan_forwards()
     apply_compile(model, compile_config=compile_config, parallel_dims=parallel_dims)
+    key = getattr(model, "embedding_key", None)
+    if key is not None:
+        key.forward = types.MethodType(own_code(type(key).forward), key)
+        key.compile(backend=compile_config.backend, fullgraph=True)

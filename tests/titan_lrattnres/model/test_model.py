@@ -48,7 +48,7 @@ def slow_forward(model, tokens, n_blocks):
     e = model.tok_embeddings(tokens)
     outs, keys = [e], []
     if variant == "projected":
-        keys.append(rms(model.embedding_key(e)))
+        keys.append(rms(e @ model.embedding_key.weight.T))  # the raw W_0^K e
     h = e
     for j in range(1, m + 1):
         out = sublayer_output(layers[(j - 1) // 2], j, h)
