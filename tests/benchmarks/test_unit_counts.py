@@ -1,7 +1,7 @@
 """The benchmarks' models have torchtitan's units: a model of L layers is L compiled units (and,
 under FSDP2, L FSDP units beside torchtitan's own), trains three steps without a recompile, with
-or without activation checkpointing, and several models compiled in one process (variants,
-sizes) train without reaching dynamo's recompile limit."""
+or without activation checkpointing. Several models in one process:
+``tests/titan_lrattnres/model/test_compile.py``."""
 
 from __future__ import annotations
 
@@ -64,20 +64,6 @@ def test_full_ac_three_steps_no_recompile():
         for _ in range(3):
             step()
     assert not counters["recompiles"], dict(counters["recompiles"])
-
-
-def test_models_of_several_variants_and_sizes_train_in_one_process():
-    """Variants and sizes built and compiled side by side, their steps interleaved as the
-    benchmark's rounds interleave them, under dynamo's own recompile limit: none reaches it (a
-    layer plan shared by two sizes compiles a second, dynamic graph)."""
-    deeper = overhead.Shape(layers=6, dim=48, seq=8, heads=2, vocab=64, hidden=96)
-    cases = [(name, SHAPE) for name in ("torchtitan", "baseline", *ROUTED)]
-    cases += [("baseline", deeper), ("sliced3_r8", deeper), ("full", deeper)]
-    steps = [_step(_build(name, shape), shape) for name, shape in cases]
-    for _ in range(2):
-        for step in steps:
-            assert torch.isfinite(step())
-    assert counters["graph_break"] == {}, dict(counters["graph_break"])
 
 
 def _fsdp_groups(model) -> int:

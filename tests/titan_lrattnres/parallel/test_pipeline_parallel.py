@@ -189,7 +189,6 @@ CASES = {
     # model, flags (2 ranks)
     "sliced_1f1b_cut_at_block_end": ("sliced", PP2),  # default split: layer 0 | layer 1
     "projected_1f1b_cut_mid_block": ("projected_small", [*PP2, *MID_BLOCK]),
-    "sliced_interleaved_2x4_cached": ("sliced_small", [*PP2, *INTERLEAVED]),
     "projected_interleaved_2x4_cached_selective_ac": (
         "projected_small",
         [*PP2, *INTERLEAVED, "activation-checkpoint:selective"],  # the GPU configs' AC

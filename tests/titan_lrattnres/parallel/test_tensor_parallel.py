@@ -165,10 +165,11 @@ def runs(env, tmp_path_factory):
 CASES = {
     # model, sequence parallel, extra flags (TP without SP: test_recipe_tp's compiled case)
     "sliced_sp_typechecked": ("sliced", True, ["--debug.spmd_typechecking"]),
-    "projected_sp_padded_vocab_typechecked": (
+    # a padded vocabulary, and torchtitan's selective AC of each layer
+    "projected_sp_padded_vocab_selective_ac_typechecked": (
         "projected_v1025",
         True,
-        ["--debug.spmd_typechecking"],
+        ["--debug.spmd_typechecking", "activation-checkpoint:selective"],
     ),
     # phase 1 as aten maths (the reference backend) on the sequence shards, type-checked
     "projected_reference_sp_typechecked": ("projected_ref", True, ["--debug.spmd_typechecking"]),
@@ -177,8 +178,6 @@ CASES = {
         True,
         ["--compile.enable", "--compile.backend", "aot_eager"],
     ),
-    # the reads recomputed per site on DTensors, what they made given back between the passes
-    "projected_sp_selective_ac": ("projected", True, ["activation-checkpoint:selective"]),
 }
 
 
