@@ -4,6 +4,7 @@ the public API importable from the package."""
 
 import ast
 import importlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -162,14 +163,35 @@ def test_a_submodule_loads_only_what_it_imports():
                                   "'titan_lrattnres.model.flops']"]  # fmt: skip
 
 
-@pytest.mark.parametrize("command", COMMANDS)
-def test_command_runs_under_its_name(command):
-    module = importlib.import_module(f"titan_lrattnres.{command}")
-    assert callable(module.main)
-    out = subprocess.run([sys.executable, "-m", f"titan_lrattnres.{command}", "--help"],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+# One child process runs every command as ``python -m`` would (``runpy`` under ``__main__``) with
+# --help, and prints each one's exit code and whether it printed a usage line.
+_RUN_EACH = """
+import contextlib, io, json, runpy, sys
+report = {}
+for command in sys.argv[1:]:
+    out = io.StringIO()
+    sys.argv = [command, "--help"]
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            runpy.run_module(f"titan_lrattnres.{command}", run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as e:
+            code = e.code or 0
+    report[command] = [code, "usage" in out.getvalue().lower(), out.getvalue()[-500:]]
+print(json.dumps(report))
+"""
+
+
+def test_every_command_runs_under_its_name():
+    for command in COMMANDS:
+        assert callable(importlib.import_module(f"titan_lrattnres.{command}").main), command
+    out = subprocess.run([sys.executable, "-c", _RUN_EACH, *COMMANDS], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "usage" in (out.stdout + out.stderr).lower()
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert sorted(report) == sorted(COMMANDS)
+    for command, (code, usage, text) in report.items():
+        assert code == 0 and usage, (command, text)
 
 
 def test_location_dependent_paths_point_at_the_repository(monkeypatch):
