@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[2] / "titan_lrattnres"
 ROOT = PACKAGE.parent
 COMMANDS = ("train", "generate", "export", "analysis", "longctx", "sweep", "convert", "data")
