@@ -69,7 +69,17 @@ class LRAttnResCheckpointManager(CheckpointManager):
 
     @dataclass(kw_only=True, slots=True)
     class Config(CheckpointManager.Config):
-        pass
+        def __post_init__(self) -> None:
+            # torchtitan warns that its own default, a model-only initial load, has no effect
+            # without an initial_load_path: true of every run that starts from scratch, so
+            # its checks run here as if that default were off, and the value is kept
+            model_only = self.initial_load_model_only
+            if not self.initial_load_path:
+                self.initial_load_model_only = False
+            try:
+                CheckpointManager.Config.__post_init__(self)
+            finally:
+                self.initial_load_model_only = model_only
 
     loss_finite: torch.Tensor | None = None
     """Whether the last training step's loss was finite (a bool tensor; set by the trainer)."""

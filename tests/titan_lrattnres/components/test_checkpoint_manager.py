@@ -53,3 +53,20 @@ def test_async_saves_are_recorded_at_the_next_save_and_purged_after(world_of_one
     ckpt.close()
     assert sorted(p.name for p in folder.iterdir()) == ["step-4", "step-6"]
     assert all(integrity.problem(folder / f"step-{n}") is None for n in (4, 6))
+
+
+def test_config_keeps_model_only_loads_and_says_nothing_without_a_path(caplog, tmp_path):
+    """torchtitan's default (a model-only initial load) is kept, and its warning that the
+    default does nothing without an initial_load_path is not logged for a run from scratch."""
+    import logging
+
+    from titan_lrattnres.components.checkpoint import LRAttnResCheckpointManager
+
+    with caplog.at_level(logging.WARNING):
+        scratch = LRAttnResCheckpointManager.Config(enable=True)
+    assert scratch.initial_load_model_only is True
+    assert "initial_load_model_only" not in caplog.text, caplog.text
+    seeded = LRAttnResCheckpointManager.Config(enable=True, initial_load_path=str(tmp_path))
+    assert seeded.initial_load_model_only is True
+    with pytest.raises(ValueError, match="initial_load_path must be an absolute path"):
+        LRAttnResCheckpointManager.Config(enable=True, initial_load_path="relative")
