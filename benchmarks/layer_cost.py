@@ -28,9 +28,10 @@ from benchmarks.meta import environment, write
 from benchmarks.overhead import Shape, build
 
 
-def layer_call(name: str, shape: Shape, index: int, seed: int = 0):
+def layer_call(name: str, shape: Shape, index: int, seed: int = 0, backend: str = "inductor"):
     """``(call(backward: bool), plan)``: one call of layer ``index`` of variant ``name``,
-    compiled; its inputs are what the layers before it give in a forward."""
+    compiled with ``backend``; its inputs are what the layers before it give in a forward.
+    ``call.outputs()`` runs the forward alone and gives every tensor the layer returns."""
     model = build(name, shape, "cpu", torch.float32, compile_=False, seed=seed)
     layers = list(model.layers.values())
     if not 0 <= index < len(layers):
@@ -59,7 +60,7 @@ def layer_call(name: str, shape: Shape, index: int, seed: int = 0):
             values = None if values is None else [grad(v) for v in values]
             keys = None if keys is None else [grad(k) for k in keys]
             args = (grad(h), values, keys, grad(partial), grad(partial_key))
-    layer.compile(fullgraph=True)
+    layer.compile(fullgraph=True, backend=backend)
 
     def outputs():  # every tensor the layer returns, lists flattened
         out = layer(*args)
@@ -73,17 +74,18 @@ def layer_call(name: str, shape: Shape, index: int, seed: int = 0):
         if backward:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
+    call.outputs = outputs
     return call, getattr(layer, "plan", None)
 
 
-def measure(shape, variants, index, rounds=7, calls=100, warmup=5) -> dict:
+def measure(shape, variants, index, rounds=7, calls=100, warmup=5, backend="inductor") -> dict:
     """Every variant built and warmed first; then each round times ``calls`` calls of every
     variant in turn (forward, then forward + backward), so a drift of the machine reaches all
     variants alike. A variant that fails to build or run is recorded with its error."""
     result, runs = {}, {}
     for name in variants:
         try:
-            call, plan = layer_call(name, shape, index)
+            call, plan = layer_call(name, shape, index, backend=backend)
             for _ in range(warmup):
                 call(True)
             runs[name] = call

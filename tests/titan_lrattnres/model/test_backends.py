@@ -18,8 +18,9 @@ def test_fused_backend_matches_reference(build, variant, blocks, backend):
     _assert_same_loss_and_gradients(ref, fused, tokens)
 
 
-def _assert_same_loss_and_gradients(ref, fused, tokens):
-    """One step of each on ``tokens``: fused's loss and every gradient those of ``ref`` (fp32)."""
+def _assert_same_loss_and_gradients(ref, fused, tokens, atol=1e-6):
+    """One step of each on ``tokens``: fused's loss and every gradient those of ``ref`` (fp32),
+    gradients to ``rtol`` 1e-4 and ``atol``."""
     losses = []
     for model in (ref, fused):
         logits = model(tokens[:, :-1])
@@ -28,7 +29,7 @@ def _assert_same_loss_and_gradients(ref, fused, tokens):
         losses.append(loss)
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(ref.named_parameters(), fused.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -111,7 +112,10 @@ def test_compiled_layers_match_reference(build, variant, blocks, compiler, ac):
     fused.load_state_dict(ref.state_dict())
     fused = _compiled(fused, compiler, ac)
     tokens = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(2))
+    # Inductor orders fp32 sums its own way; the embedding's gradient gathers every read's and
+    # the embedding key's (measured: 2 of 524288 entries 2.8e-6 off, at a largest entry of 1.4)
+    atol = 5e-6 if compiler == "inductor" else 1e-6
     try:
-        _assert_same_loss_and_gradients(ref, fused, tokens)
+        _assert_same_loss_and_gradients(ref, fused, tokens, atol)
     finally:
         torch._dynamo.reset()
