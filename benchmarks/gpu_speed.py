@@ -221,12 +221,14 @@ class Plan:
 
 def layer_graphs(name: str, shape: overhead.Shape) -> int:
     """Compiled graphs of variant ``name``'s model: one per distinct layer plan (the decoder's
-    and the baseline's layers share one; Block and Full: one per layer, ``DepthPlan.graphs``)."""
+    and the baseline's layers share one; Block and Full: one per layer, ``DepthPlan.graphs``),
+    and P-LR's embedding key one more."""
     variant, blocks, rank = overhead.parse_variant(name)
     if variant in ("torchtitan", "baseline"):
         return 1
-    return DepthPlan(variant=variant, dim=shape.dim, rank=rank or shape.dim,
-                     num_sublayers=2 * shape.layers, blocks=blocks).graphs  # fmt: skip
+    plan = DepthPlan(variant=variant, dim=shape.dim, rank=rank or shape.dim,
+                     num_sublayers=2 * shape.layers, blocks=blocks)  # fmt: skip
+    return plan.graphs + plan.projected
 
 
 def stored_compile_seconds(root: Path = ROOT / "benchmarks" / "results") -> tuple[float, str]:

@@ -87,10 +87,10 @@ def test_default_plan_puts_the_paper_case_first_graphs_last_and_fits_525_s():
     assert est["total_s"] <= 525, est
     # a routed model compiles one graph per distinct layer plan: 24 at L=24 for Full and Block
     # N=8 (a block every 3 layers), 12 for N=4 (layers 1-4 of a 6-layer block share one); the
-    # decoder and the baseline one each
+    # decoder and the baseline one each; P-LR's embedding key one more
     assert est["compiles"] == 1 + 1 + 24
-    names = ("full", "block8", "attnres4")
-    assert [gpu_speed.layer_graphs(v, plan.shape) for v in names] == [24, 24, 12]
+    names = ("full", "block8", "attnres4", "projected8_r32")
+    assert [gpu_speed.layer_graphs(v, plan.shape) for v in names] == [24, 24, 12, 25]
     # the dry run runs the same plan at a tiny shape: the same variant kinds and Trainer runs
     dry = gpu_speed.Plan(dry=True)
     kinds = [[overhead.parse_variant(v)[0] for v in p.variants] for p in (dry, plan)]

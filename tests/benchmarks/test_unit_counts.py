@@ -30,7 +30,11 @@ def _build(name, shape=SHAPE, ac="none", compile_=True):
 
 
 def _compiled_units(model) -> list:
-    return [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None]
+    """The compiled modules but P-LR's embedding key, a region of its own beside the layers
+    (``test_the_embedding_key_is_the_one_other_compiled_unit``)."""
+    key = getattr(model, "embedding_key", None)
+    return [m for m in model.modules()
+            if getattr(m, "_compiled_call_impl", None) is not None and m is not key]  # fmt: skip
 
 
 @pytest.mark.parametrize("ac", ["none", "full"])
@@ -40,6 +44,14 @@ def test_a_model_of_l_layers_is_l_compiled_units(name, ac):
     units = _compiled_units(model)
     assert len(units) == SHAPE.layers
     assert [id(u) for u in units] == [id(u) for u in model.layers.values()]
+
+
+@pytest.mark.parametrize("name", ["baseline", "projected2_r8"])
+def test_the_embedding_key_is_the_one_other_compiled_unit(name):
+    model = _build(name)
+    others = [m for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None
+              and m not in list(model.layers.values())]  # fmt: skip
+    assert others == ([model.embedding_key] if name.startswith("projected") else [])
 
 
 @pytest.mark.parametrize("ac", ["none", "selective"])
@@ -54,7 +66,8 @@ def test_three_steps_compile_once_per_plan_and_never_again(name, ac):
     assert all(torch.isfinite(torch.tensor(losses)))
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert counters["graph_break"] == {}, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == model.router.graphs, dict(counters["stats"])
+    graphs = model.router.graphs + model.router.projected  # P-LR: its embedding key's
+    assert counters["stats"]["unique_graphs"] == graphs, dict(counters["stats"])
 
 
 def test_full_ac_three_steps_no_recompile():
