@@ -164,12 +164,7 @@ def table(result: dict, top: int = 12) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=4096)
+    Shape.add_arguments(p, layers=24, dim=64, seq=32, heads=4)
     p.add_argument("--device", default="cpu")
     p.add_argument("--ac", choices=AC_MODES, default="none")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
@@ -185,8 +180,7 @@ def main(argv=None) -> int:
         from titan_lrattnres.training.cpu import keep_freed_memory
 
         keep_freed_memory()  # as the trainer and benchmarks.overhead run on CPU
-    shape = Shape(layers=args.layers, dim=args.dim, seq=args.seq, heads=args.heads,
-                  batch=args.batch, vocab=args.vocab)  # fmt: skip
+    shape = Shape.of(args)
     variants = [v for v in args.variants.split(",") if v]
     try:
         result = measure(shape, variants, steps=args.steps, warmup=args.warmup, ac=args.ac,

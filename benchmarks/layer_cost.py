@@ -124,12 +124,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=4096)
+    Shape.add_arguments(p, layers=24, dim=64, seq=32, heads=4)
     p.add_argument("--layer", type=int, default=13, help="which layer (0-based)")
     p.add_argument("--variants", default="torchtitan,baseline,block8,block8@reference")
     p.add_argument("--rounds", type=int, default=7)
@@ -139,7 +134,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.rounds < 1 or a.calls < 1:
         p.error("--rounds and --calls must be >= 1")
-    shape = Shape(a.layers, a.dim, a.seq, a.heads, a.batch, a.vocab)
+    shape = Shape.of(a)
     variants = [v for v in a.variants.split(",") if v]
     print(f"layer_cost: layer {a.layer} of L={a.layers} d={a.dim} T={a.seq} B={a.batch}, "
           f"{a.rounds} rounds of {a.calls} calls, C++ wrapper: {a.cpp_wrapper}")  # fmt: skip

@@ -99,6 +99,25 @@ class Shape:
     def hidden_dim(self) -> int:
         return self.hidden or -(-11 * self.dim // 4 // 64) * 64
 
+    @staticmethod
+    def add_arguments(p, *, layers: int, dim: int, seq: int, heads: int, hidden: bool = False):
+        """A step benchmark's shape options on parser ``p``: ``--layers --dim --seq --heads
+        --batch --vocab`` (and ``--hidden`` if ``hidden``), with these defaults; read back by
+        :meth:`of`."""
+        p.add_argument("--layers", type=int, default=layers)
+        p.add_argument("--dim", type=int, default=dim)
+        p.add_argument("--seq", type=int, default=seq)
+        p.add_argument("--heads", type=int, default=heads)
+        p.add_argument("--batch", type=int, default=1)
+        p.add_argument("--vocab", type=int, default=4096)
+        if hidden:
+            p.add_argument("--hidden", type=int, default=None)
+
+    @classmethod
+    def of(cls, a) -> Shape:
+        """The shape parsed from :meth:`add_arguments`' options."""
+        return cls(a.layers, a.dim, a.seq, a.heads, a.batch, a.vocab, getattr(a, "hidden", None))
+
 
 def torchtitan_decoder_config(config):
     """torchtitan's ``Llama3Model`` config with the layers, norms, embedding and head of the
@@ -469,13 +488,7 @@ def rescore(paths: list[str]) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=None)
+    Shape.add_arguments(p, layers=12, dim=512, seq=1024, heads=8, hidden=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--rounds", type=int, default=9)
@@ -520,7 +533,7 @@ def main(argv=None) -> int:
         p.error("--cuda-graphs needs --device cuda")
     if a.rounds < 1:
         p.error("--rounds must be >= 1")
-    shape = Shape(a.layers, a.dim, a.seq, a.heads, a.batch, a.vocab, a.hidden)
+    shape = Shape.of(a)
     kept = False
     if torch.device(a.device).type == "cpu" and not a.system_malloc:
         from titan_lrattnres.training.cpu import keep_freed_memory
