@@ -1,6 +1,8 @@
 """Public depth-read API (docs/method.md §2, §7). Shapes and dtypes follow ``custom_ops.reference``.
 
-``backend``: ``"reference"`` (eager reference, plain autograd), ``"compiled"`` (the
+``backend``: ``"reference"`` (eager reference, plain autograd), ``"inductor"`` (aten ops with a
+hand-written backward, ``custom_ops.graph``: traced into the caller's compiled graph, where
+Inductor fuses them), ``"compiled"`` (the
 ``lrattnres::`` ops with the plain-PyTorch kernel), ``"triton"`` (the ops with the Triton kernels;
 CPU tensors need ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA tensors, compiled elsewhere).
 ``keys=None`` (or ``partial_key=None``) means sliced keys: the last ``r = query.shape[-1]`` dims of
@@ -28,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from custom_ops import ops, reference
+from custom_ops import graph, ops, reference
 from custom_ops.reference import DEFAULT_EPS, _eps
 
 BACKENDS = ops.BACKENDS
@@ -98,6 +100,9 @@ def depth_read_lse(
     if impl == "reference":
         ref_keys = _reference_keys(values, keys, query)
         return reference.depth_read_with_lse(values, ref_keys, query, eps)
+    if impl == "inductor":
+        out, lse = graph.block_read(values, keys, query[None], eps)
+        return out[0].to(values[0].dtype), lse[0]
     if keys is None:
         return torch.ops.lrattnres.depth_read_sliced(values, query, _eps(eps), impl)
     return torch.ops.lrattnres.depth_read(values, keys, query, _eps(eps), impl)
@@ -122,6 +127,8 @@ def block_read(values, keys, queries, eps=None, *, backend: str = "auto"):
         ref_keys = _reference_keys(values, keys, queries)
         fp32 = [v.float() for v in values]
         return reference.depth_read_with_lse(fp32, ref_keys, queries, eps)
+    if impl == "inductor":
+        return graph.block_read(values, keys, queries, eps)
     if keys is None:
         return torch.ops.lrattnres.block_read_sliced(values, queries, _eps(eps), impl)
     return torch.ops.lrattnres.block_read(values, keys, queries, _eps(eps), impl)
@@ -169,6 +176,11 @@ def merge_partial(
     impl = _backend(backend, partial_value)
     if impl == "reference":
         return _merge_reference(out1, lse1, partial_value, partial_key, query, eps, emit_norm)
+    if impl == "inductor":
+        pk = None if partial_key is None else [partial_key]
+        h = graph.merge_read(out1, lse1, [partial_value], pk, query, eps)[0]
+        h = h.to(partial_value.dtype)
+        return (h, reference.key_rmsnorm(h, DEFAULT_EPS).to(h.dtype)) if emit_norm else h
     args = (out1, lse1, partial_value, partial_key, query, _eps(eps), emit_norm, impl)
     h, norm = torch.ops.lrattnres.merge_partial(*args)
     return (h, norm) if emit_norm else h

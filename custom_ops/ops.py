@@ -44,7 +44,7 @@ import torch
 
 from custom_ops import composite, cpu
 
-BACKENDS = ("reference", "compiled", "triton", "auto")
+BACKENDS = ("reference", "inductor", "compiled", "triton", "auto")
 
 
 # --------------------------------------------------------------------------- kernels per impl

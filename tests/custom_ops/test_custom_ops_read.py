@@ -1,5 +1,7 @@
-"""The ``compiled`` (plain-PyTorch) backend of every op, forward and every gradient, against the
-eager reference over hypothesis-generated shapes, ranks, source counts and dtypes."""
+"""The ``compiled`` backend of every op (the registered ops: fused C kernels, plain-PyTorch
+composite) and the ``inductor`` read (aten ops with a written-out backward, here run eagerly),
+forward and every gradient, against the eager reference over hypothesis-generated shapes,
+ranks, source counts and dtypes."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from tests.custom_ops.cases import ReadCase, grads_of, leaves, make_read, read_c
 from tests.custom_ops.tolerances import assert_close, rank_one_cancellation
 
 BACKEND = "compiled"
+FAST = ["compiled", "inductor"]  # every backend tested here against the reference
 
 
 def assert_grads_close(got, want, keys, dtype):
@@ -99,34 +102,39 @@ def check_merge_partial(case: ReadCase, emit_norm: bool, backend: str = BACKEND)
         assert_close(f"grad of input {i}", a, b, case.dtype)
 
 
+@pytest.mark.parametrize("backend", FAST)
 @settings(deadline=None, max_examples=40)
-@given(read_cases())
-def test_depth_read_matches_reference(case):
-    check_depth_read(case)
+@given(case=read_cases())
+def test_depth_read_matches_reference(backend, case):
+    check_depth_read(case, backend)
 
 
+@pytest.mark.parametrize("backend", FAST)
 @settings(deadline=None, max_examples=25)
-@given(read_cases(max_sources=12), st.integers(1, 6))
-def test_block_read_matches_per_query_reference(case, n_queries):
-    check_block_read(case, n_queries)
+@given(case=read_cases(max_sources=12), n_queries=st.integers(1, 6))
+def test_block_read_matches_per_query_reference(backend, case, n_queries):
+    check_block_read(case, n_queries, backend)
 
 
+@pytest.mark.parametrize("backend", FAST)
 @settings(deadline=None, max_examples=25)
-@given(read_cases(max_sources=12).filter(lambda c: c.sources >= 2), st.booleans())
-def test_merge_partial_matches_one_pass_read(case, emit_norm):
-    check_merge_partial(case, emit_norm)
+@given(case=read_cases(max_sources=12).filter(lambda c: c.sources >= 2), emit_norm=st.booleans())
+def test_merge_partial_matches_one_pass_read(backend, case, emit_norm):
+    check_merge_partial(case, emit_norm, backend)
 
 
+@pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliced", [True, False])
-def test_129_sources(dtype, sliced):
-    check_depth_read(ReadCase((3,), 9, 4, 129, sliced, dtype, seed=7))
+def test_129_sources(dtype, sliced, backend):
+    check_depth_read(ReadCase((3,), 9, 4, 129, sliced, dtype, seed=7), backend)
 
 
-def test_single_source_is_identity():
+@pytest.mark.parametrize("backend", FAST)
+def test_single_source_is_identity(backend):
     case = ReadCase((4,), 33, 5, 1, True, torch.float32, seed=1)
     values, keys, query = make_read(case)
-    out, lse = custom_ops.depth_read_lse(values, keys, query, backend=BACKEND)
+    out, lse = custom_ops.depth_read_lse(values, keys, query, backend=backend)
     torch.testing.assert_close(out, values[0].detach())
     torch.testing.assert_close(
         lse, reference.depth_logits(reference.sliced_keys(values, 5), query)[0]
@@ -152,12 +160,13 @@ def test_composite_never_stacks_values(monkeypatch):
     composite.read_bwd(values, None, query[None].detach(), lse, torch.ones_like(out), None, 1e-6)
 
 
-def test_eps_is_used():
+@pytest.mark.parametrize("backend", FAST)
+def test_eps_is_used(backend):
     """A huge eps flattens the key norm; the ops must honour the argument, not a constant."""
     case = ReadCase((5,), 16, 16, 3, False, torch.float32, seed=4)
     values, keys, query = make_read(case)
     ref_keys = keys
-    a = custom_ops.depth_read(values, keys, query, eps=10.0, backend=BACKEND)
+    a = custom_ops.depth_read(values, keys, query, eps=10.0, backend=backend)
     b = reference.depth_read(values, ref_keys, query, eps=10.0)
     c = reference.depth_read(values, ref_keys, query)
     assert_close("eps=10", a, b, torch.float32)
@@ -169,9 +178,10 @@ def _strided(tokens, width, dtype, g, scale=1.0):
     return (torch.randn(tokens, 2 * width, generator=g) * scale).to(dtype)[:, ::2].requires_grad_()
 
 
+@pytest.mark.parametrize("backend", FAST)
 @pytest.mark.parametrize("sliced", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_non_contiguous_sources_read_correctly(sliced, dtype):
+def test_non_contiguous_sources_read_correctly(sliced, dtype, backend):
     g = torch.Generator().manual_seed(3)
     values = [_strided(64, 1024, dtype, g, 0.5 + s) for s in range(5)]
     r = 24
@@ -181,7 +191,7 @@ def test_non_contiguous_sources_read_correctly(sliced, dtype):
     inputs = leaves(values, keys, query)
     ref_keys = keys if keys is not None else reference.sliced_keys(values, r)
     got, got_g = grads_of(
-        lambda: custom_ops.depth_read_lse(values, keys, query, backend=BACKEND), inputs
+        lambda: custom_ops.depth_read_lse(values, keys, query, backend=backend), inputs
     )
     want, want_g = grads_of(lambda: reference.depth_read_with_lse(values, ref_keys, query), inputs)
     assert_close("out", got[0], want[0], dtype)
@@ -189,7 +199,7 @@ def test_non_contiguous_sources_read_correctly(sliced, dtype):
         assert_close(f"grad of input {i}", a, b, dtype)
 
 
-@pytest.mark.parametrize("backend", ["reference", BACKEND])
+@pytest.mark.parametrize("backend", ["reference", *FAST])
 def test_mixed_key_dtypes_are_refused_by_name(backend):
     case = ReadCase((7,), 16, 8, 3, False, torch.float32, seed=5)
     values, keys, query = make_read(case)

@@ -1,6 +1,7 @@
 """Extreme inputs through the public ops on the CPU backends, against a float64 oracle
-(``tests/custom_ops/extreme.py``): the eager reference, the compiled impl (the fused C kernels for
-fp32, the eager composite for 16-bit) and the eager composite for fp32 (C kernels off). The
+(``tests/custom_ops/extreme.py``): the eager reference, the ``inductor`` read (run eagerly), the
+compiled impl (the fused C kernels for fp32, the eager composite for 16-bit) and the eager
+composite for fp32 (C kernels off). The
 contract is stated in ``custom_ops.api``'s docstring:
 
 - finite inputs: fp32 values from 1e-30 to 1e4, fp16 near its largest value, bf16 from 1e-30
@@ -25,7 +26,12 @@ from tests.custom_ops.cases import ReadCase, make_read
 from tests.custom_ops.extreme import Extreme, assert_matches, extremes
 
 # name -> (backend, fused C kernels on); 16-bit inputs never reach the C kernels (composite)
-BACKENDS = {"reference": ("reference", True), "C": ("compiled", True), "eager": ("compiled", False)}
+BACKENDS = {
+    "reference": ("reference", True),
+    "inductor": ("inductor", True),
+    "C": ("compiled", True),
+    "eager": ("compiled", False),
+}
 TOP16, TOPBF = extreme.max_exponent(torch.float16), extreme.max_exponent(torch.bfloat16)
 # id -> (dtype, log10 range of the values, gradients checked). Gradients need <dh, v> (d terms)
 # within fp32: bf16 values near 3e38 are checked forward only (h, lse, RMSNorm(h)).

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 import custom_ops
-from custom_ops import reference
+from custom_ops import graph, reference
 from custom_ops.schedule import schedule_ends
 
 VARIANTS_ROUTED = ("attnres", "sliced", "projected")
@@ -64,9 +64,10 @@ class LayerPlan:
 class DepthPlan:
     """The depth read of a model: variant, keys, source schedule and backend.
 
-    ``backend``: one of ``custom_ops.BACKENDS`` for phase 1 (``reference``: the read as aten
-    ops, which Inductor generates and fuses itself; ``compiled`` / ``triton`` / ``auto``: the
-    registered ``lrattnres::`` op, a fused C kernel on CPU and Triton kernels on CUDA)."""
+    ``backend``: one of ``custom_ops.BACKENDS`` (``reference``: the eager reference's ops;
+    ``inductor``: aten ops with a written-out backward, generated and fused by Inductor in the
+    layer's graph; ``compiled`` / ``triton``: phase 1 as the registered ``lrattnres::`` op, a
+    fused C kernel on CPU and Triton kernels on CUDA; ``auto``: ``read_backend``)."""
 
     variant: str  # baseline | attnres | sliced | projected
     dim: int
@@ -115,10 +116,22 @@ class DepthPlan:
         )
 
 
-def site_read(out1, lse1, extras, extra_keys, query, eps, dtype) -> torch.Tensor:
+def read_backend(backend: str, like: torch.Tensor) -> str:
+    """The backend a layer reads with: ``auto`` is the Triton op on CUDA and the ``inductor``
+    read elsewhere (on CPU its kernels, generated inside the layer's graph, cost less than an
+    opaque op call: docs/performance.md)."""
+    if backend == "auto":
+        return "triton" if like.is_cuda else "inductor"
+    return backend
+
+
+def site_read(out1, lse1, extras, extra_keys, query, eps, dtype, backend: str) -> torch.Tensor:
     """One site's read: phase 1 ``(out1 [..., d] fp32, lse1 [...])`` merged with the ``extras``
     (the partial, a block completed since phase 1; keys ``extra_keys``, None = sliced tails)
-    by the LSEs (docs/method.md §7), in ``dtype``."""
+    by the LSEs (docs/method.md §7), in ``dtype``: the reference's ops for the ``reference``
+    backend, else ``custom_ops.graph``'s."""
+    if backend != "reference":
+        return graph.merge_read(out1, lse1, extras, extra_keys, query, eps)[0].to(dtype)
     if extra_keys is None:
         extra_keys = reference.sliced_keys(extras, query.shape[-1])
     out2, lse2 = reference.depth_read_with_lse([v.float() for v in extras], extra_keys, query, eps)

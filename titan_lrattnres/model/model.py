@@ -28,7 +28,13 @@ from torchtitan.models.utils import get_dense_model_nparams_and_flops
 
 from custom_ops.ops import own_code
 from custom_ops.reference import key_rmsnorm
-from titan_lrattnres.model.depth import DepthPlan, LayerPlan, completed_read, site_read
+from titan_lrattnres.model.depth import (
+    DepthPlan,
+    LayerPlan,
+    completed_read,
+    read_backend,
+    site_read,
+)
 from titan_lrattnres.model.flops import routing_flops
 
 # What flows from layer to layer: h, the completed sources (the embedding, then block sums or,
@@ -126,7 +132,8 @@ class Layer(TransformerBlock):
         if self.residual:
             h = h + attend(self.attention_norm(h))
             return h + self.feed_forward(self.ffn_norm(h)), (), (), None, None
-        out1, lse1 = completed_read(values, keys, self.queries, self.eps, self.backend)
+        backend = read_backend(self.backend, values[0])
+        out1, lse1 = completed_read(values, keys, self.queries, self.eps, backend)
         dtype = values[0].dtype
         new_values, new_keys = [], []
 
@@ -141,7 +148,8 @@ class Layer(TransformerBlock):
                 on_read(self.sites[row], [*values, *extras], all_keys, query)
             if not extras:
                 return out1[row].to(dtype)
-            return site_read(out1[row], lse1[row], extras, extra_keys, query, self.eps, dtype)
+            args = (extras, extra_keys, query, self.eps, dtype, backend)
+            return site_read(out1[row], lse1[row], *args)
 
         h = values[0] if self.plan.index == 0 else None  # site 0 reads the embedding alone
         row = 0

@@ -78,10 +78,10 @@ def test_exported_program_dynamic_shapes(variant, blocks, backend):
     ],
 )
 def test_fused_backend_keeps_custom_op_nodes(variant, blocks, expected):
-    """Fails (never skips) if the lrattnres:: ops are not registered. The merges with what a
-    layer adds since phase 1 are traced as the reference's aten ops inside the layer
-    (``depth.site_read``), for the compiler to fuse; each layer's phase-1 read stays one op."""
-    model, _ = trained(variant, blocks, "auto", steps=0)
+    """Fails (never skips) if the lrattnres:: ops are not registered. With the ``compiled``
+    backend each layer's phase-1 read stays one op; the merges with what a layer adds since
+    phase 1 are aten ops inside the layer (``depth.site_read``), for the compiler to fuse."""
+    model, _ = trained(variant, blocks, "compiled", steps=0)
     assert set(export.custom_op_nodes(export.export_program(model))) == expected
     ref, _ = trained(variant, blocks, "reference", steps=0)
     assert export.custom_op_nodes(export.export_program(ref)) == []

@@ -8,7 +8,7 @@ VARIANTS = ["attnres", "sliced", "projected"]
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("blocks", [None, 1, 3, 4])
-@pytest.mark.parametrize("backend", ["compiled", "auto"])
+@pytest.mark.parametrize("backend", ["compiled", "inductor"])
 def test_fused_backend_matches_reference(build, variant, blocks, backend):
     kw = dict(variant=variant, blocks=blocks, rank=16)
     ref = build(depth_backend="reference", **kw)
@@ -33,12 +33,13 @@ def _assert_same_loss_and_gradients(ref, fused, tokens, atol=1e-6):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_fused_backend_matches_reference_in_bf16(build, variant):
-    """bf16 parameters and activations (FSDP's compute dtype on GPU): the two read paths agree to
+@pytest.mark.parametrize("backend", ["compiled", "inductor"])
+def test_fused_backend_matches_reference_in_bf16(build, variant, backend):
+    """bf16 parameters and activations (FSDP's compute dtype on GPU): the read paths agree to
     bf16 rounding in the loss and every gradient (relative RMS)."""
     kw = dict(variant=variant, blocks=3, rank=16, dtype=torch.bfloat16)
     ref = build(depth_backend="reference", **kw)
-    fused = build(depth_backend="compiled", **kw)
+    fused = build(depth_backend=backend, **kw)
     fused.load_state_dict(ref.state_dict())
     tokens = torch.randint(0, 4096, (2, 11), generator=torch.Generator().manual_seed(1))
     losses = []
@@ -94,12 +95,14 @@ def _compiled(model, backend: str, ac: str | None = None):
 
 
 @pytest.mark.parametrize(
-    "variant,blocks,compiler,ac",
-    # attnres N=8 at 8 sublayers ends a block after every sublayer: Full's schedule
-    [("sliced", 4, "aot_eager", None), ("projected", 3, "aot_eager", "full"),
-     ("attnres", 8, "aot_eager", "selective"), ("projected", 5, "inductor", "selective")],
+    "variant,blocks,compiler,ac,depth",
+    # attnres N=8 at 8 sublayers ends a block after every sublayer: Full's schedule. auto on
+    # CPU: the inductor read; compiled: phase 1 as the registered op inside the graph
+    [("sliced", 4, "aot_eager", None, "compiled"), ("projected", 3, "aot_eager", "full", "auto"),
+     ("attnres", 8, "aot_eager", "selective", "auto"),
+     ("projected", 5, "inductor", "selective", "auto")],
 )  # fmt: skip
-def test_compiled_layers_match_reference(build, variant, blocks, compiler, ac):
+def test_compiled_layers_match_reference(build, variant, blocks, compiler, ac, depth):
     """The compiled path, as the Trainer runs it: each layer one graph (phase 1, attention, the
     merges, MLP), under torchtitan's AC or none; the loss and every gradient those of the
     eager reference model."""
@@ -108,7 +111,7 @@ def test_compiled_layers_match_reference(build, variant, blocks, compiler, ac):
     # attentions, after MLPs, after both) and each compiles once
     kw = dict(variant=variant, blocks=blocks, rank=16)
     ref = build("cpu_small", depth_backend="reference", **kw)
-    fused = build("cpu_small", depth_backend="auto", **kw)
+    fused = build("cpu_small", depth_backend=depth, **kw)
     fused.load_state_dict(ref.state_dict())
     fused = _compiled(fused, compiler, ac)
     tokens = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(2))
