@@ -148,9 +148,10 @@ def build(
     ``backend``) as the trainer compiles them (torchtitan's ``apply_compile``; for the project's
     model through ``titan_lrattnres.parallel.compile.compile_layers``); attention ``attn``
     (default: SDPA on CPU, FlexAttention on GPU). The depth queries stay fp32, as under mixed
-    precision. ``<variant>@<backend>`` (e.g. ``block8@reference``) runs phase 1 with that
-    ``custom_ops`` backend (``reference``: aten ops that Inductor fuses; default ``auto``: the
-    registered op)."""
+    precision. ``<variant>@<backend>`` (e.g. ``block8@compiled``) runs the reads with that
+    ``custom_ops`` backend (default ``auto``: on CPU the ``inductor`` read, aten ops with a
+    written-out backward that Inductor compiles with the layer; ``compiled``: phase 1 as the
+    registered op; ``reference``: the eager reference's ops)."""
     from torchtitan.config import CompileConfig
     from torchtitan.distributed.compile import apply_compile
 
