@@ -324,7 +324,7 @@ def add_checkpoint_args(parser) -> None:
     parser.add_argument(
         "--depth-backend",
         default=None,
-        help="override the depth backend (reference|compiled|triton|auto)",
+        help="override the depth backend (reference|inductor|compiled|triton|auto)",
     )
 
 

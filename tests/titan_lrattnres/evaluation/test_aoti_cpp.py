@@ -139,17 +139,18 @@ def test_cpp_loader_matches_python_model(variant, blocks, runner, inductor_cache
 
 
 def test_cli_aoti_package_runs_from_cpp(runner, inductor_cache, tmp_path):
-    """``python -m titan_lrattnres.export`` on a fused-backend checkpoint: model.pt2 keeps the
-    ``lrattnres::`` nodes, model_aoti.pt2 (Python-free by default) has none and runs from C++
-    at two shapes (dynamic batch and sequence length)."""
+    """``python -m titan_lrattnres.export --depth-backend compiled`` (phase 1 as the registered
+    op): model.pt2 keeps the ``lrattnres::`` nodes, model_aoti.pt2 (Python-free by default) has
+    none and runs from C++ at two shapes (dynamic batch and sequence length)."""
     model, args = trained("projected", 2, depth_backend=None)
     run = tmp_path / "run"
     dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-3"))
     (run / "model_args.json").write_text(json.dumps(args))
     out = tmp_path / "out"
-    assert export.main(["--run", str(run), "--out", str(out), "--format", "export,aoti"]) == 0
+    cli = ["--run", str(run), "--out", str(out), "--format", "export,aoti"]
+    assert export.main([*cli, "--depth-backend", "compiled"]) == 0
     record = json.loads((out / "export.json").read_text())
-    assert record["depth_backend"] == "auto" and record["custom_op_nodes"], record
+    assert record["depth_backend"] == "compiled" and record["custom_op_nodes"], record
     assert record["aoti"] == {
         "depth_backend": "reference",
         "custom_op_nodes": [],

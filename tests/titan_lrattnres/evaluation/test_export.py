@@ -88,7 +88,7 @@ def test_fused_backend_keeps_custom_op_nodes(variant, blocks, expected):
 
 
 def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
-    # default depth backend (auto): the fused ops when registered
+    # default depth backend (auto): on CPU the inductor read, exported as aten ops
     model, args = trained("sliced", 3, depth_backend=None)
     run = tmp_path / "run"
     dcp.save(model.state_dict(), checkpoint_id=str(run / "checkpoint" / "step-3"))
@@ -102,7 +102,7 @@ def test_cli_export_and_safetensors_reload_in_fresh_process(tmp_path):
         "export",
         "safetensors",
     }
-    assert record["custom_op_nodes"], "fused backend exported without lrattnres:: nodes"
+    assert record["depth_backend"] == "auto" and record["custom_op_nodes"] == [], record
     xs = _inputs(tmp_path)
     with torch.no_grad():
         eager = [model(x) for x in xs]
