@@ -2,9 +2,9 @@
 
 ``backend``: ``"reference"`` (eager reference, plain autograd), ``"inductor"`` (aten ops with a
 hand-written backward, ``custom_ops.graph``: traced into the caller's compiled graph, where
-Inductor fuses them), ``"compiled"`` (the
-``lrattnres::`` ops with the plain-PyTorch kernel), ``"triton"`` (the ops with the Triton kernels;
-CPU tensors need ``TRITON_INTERPRET=1``), ``"auto"`` (triton on CUDA tensors, compiled elsewhere).
+Inductor fuses them), ``"compiled"`` (the ``lrattnres::`` ops with the plain-PyTorch kernel),
+``"triton"`` (the ops with the Triton kernels; CPU tensors need ``TRITON_INTERPRET=1``),
+``"auto"`` (triton on CUDA tensors, compiled elsewhere).
 ``keys=None`` (or ``partial_key=None``) means sliced keys: the last ``r = query.shape[-1]`` dims of
 each value, read in place, never copied.
 
