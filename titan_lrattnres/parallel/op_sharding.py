@@ -1,4 +1,6 @@
-"""DTensor sharding rules for the ``lrattnres::`` forward ops (``--debug.spmd_typechecking``).
+"""DTensor sharding rules for the ``lrattnres::`` forward ops (``--debug.spmd_typechecking``),
+and the ``inductor`` read (``custom_ops.graph.Read``) registered with spmd_types' checker as
+local: per token, no collective, so replicated queries and varying sources give varying outputs.
 
 Every depth read is per token: the sources ``[..., d]`` (keys ``[..., r]``, phase-1 results,
 partials) may be sharded on any token dim (batch, sequence) as long as all of them share it, the
@@ -10,11 +12,13 @@ rules on every mesh axis where an activation carries a shard (sequence parallel,
 
 from __future__ import annotations
 
+import spmd_types as spmd
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
 import custom_ops  # noqa: F401  (registers torch.ops.lrattnres)
+from custom_ops import graph
 
 
 def _token_dims(x) -> range:
@@ -54,6 +58,7 @@ def register() -> None:
     ):
         register_sharding(getattr(ops, name).default)(_read_rules(bank, sliced))
     register_sharding(ops.merge_partial.default)(_merge_rules)
+    spmd.register_local_autograd_function(graph.Read)
 
 
 register()
