@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from custom_ops.reference import DEFAULT_EPS, NORM_DOWN, NORM_HUGE_SUMSQ
+from custom_ops.reference import NORM_DOWN, NORM_HUGE_SUMSQ, _eps
 
 
 def _acc(q: torch.Tensor) -> torch.dtype:
@@ -142,10 +142,6 @@ class Read(torch.autograd.Function):
             d_keys = [g_.view(x.shape).to(x.dtype) for g_, x in zip(dk.unbind(0), keys)]
         d_values = [g_.view(x.shape).to(x.dtype) for g_, x in zip(dv.unbind(0), values)]
         return (d_q.to(queries.dtype), None, None, None, *grads, *d_values, *d_keys)
-
-
-def _eps(eps: float | None) -> float:
-    return DEFAULT_EPS if eps is None else float(eps)
 
 
 def block_read(values, keys, queries, eps=None):
