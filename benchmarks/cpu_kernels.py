@@ -16,7 +16,8 @@ difference between the two libraries' results (the work timed is the same). This
 noise moves single calls by tens of percent; the alternation keeps it out of the ratio.
 
 ``--model LAYERS,DIM,SEQ`` times the project's own model instead (``benchmarks.overhead.build``:
-layers compiled, fp32, one 1 x SEQ sequence, forward + backward): one model per variant, its
+layers compiled, fp32, one 1 x SEQ sequence, forward + backward; the reads on the registered
+ops, ``@compiled``, unless a variant names its backend): one model per variant, its
 steps alternating between the two libraries (the compiled layers are shared, only the phase-1
 read's C code differs), so the ratio is what the kernel change does to a training step. With
 ``--ops`` every step runs under ``torch.profiler`` and each depth op's self time in the step is
@@ -217,7 +218,9 @@ def compare_model(
     tokens, targets = data[:, :-1].contiguous(), data[:, 1:].flatten().contiguous()
     rows = []
     for name in variants:
-        model = build(name, shape, "cpu", torch.float32, compile_)
+        # the C kernels run only behind the registered ops (the CPU default reads in aten ops)
+        on_ops = name if "@" in name else f"{name}@compiled"
+        model = build(on_ops, shape, "cpu", torch.float32, compile_)
         step = Step(model, tokens, targets, False, False)
         loss = {}
         for lib_name, lib in libs.items():  # warm-up; no optimizer: the weights stay put

@@ -81,7 +81,11 @@ class Read(torch.autograd.Function):
     same size for every S."""
 
     @staticmethod
-    def forward(ctx, queries, eps: float, sliced: bool, given: bool, *tensors):
+    def forward(ctx, *args):
+        # one varargs parameter: dynamo traces a Function under no_grad without its ctx when
+        # ``forward``'s parameter count equals apply's argument count, which a signature
+        # ``(ctx, queries, eps, sliced, given, *tensors)`` meets for exactly two tensors
+        queries, eps, sliced, given, *tensors = args
         given_t, values, _, v, k = _unpack(queries, sliced, given, tensors)
         logits = _all_logits(given_t, _logits(k, queries, eps)[0])
         lse = torch.logsumexp(logits, 0)  # [C, n]

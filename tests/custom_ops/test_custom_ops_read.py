@@ -208,3 +208,22 @@ def test_mixed_key_dtypes_are_refused_by_name(backend):
         custom_ops.depth_read(values, keys, query, backend=backend)
     with pytest.raises(ValueError, match=r"key 1 is torch.bfloat16"):
         custom_ops.block_read(values, keys, query[None], backend=backend)
+
+
+@pytest.mark.parametrize("sliced", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_inductor_read_traces_under_no_grad(sliced, n):
+    """Traced by dynamo without autograd (an evaluation pass), for every count of source
+    tensors: dynamo decides from ``forward``'s signature whether to pass the ctx."""
+    case = ReadCase((6,), 16, 8, n, sliced, torch.float32, seed=n)
+    values, keys, query = make_read(case)
+
+    def read(values, keys, queries):
+        return custom_ops.block_read(values, keys, queries, backend="inductor")
+
+    torch._dynamo.reset()
+    traced = torch.compile(read, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        got = traced(values, keys, query[None])
+        want = read(values, keys, query[None])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
