@@ -10,9 +10,12 @@ layer: the sources, keys and partial that the layers before it made, computed on
 gradient), every input requiring a gradient. A call is the layer's forward, or its forward and
 a backward of all its outputs. Each round times ``--calls`` calls of every variant in turn;
 reported: the median over ``--rounds`` rounds (microseconds a call) and each variant's ratio
-to the first. ``--cpp-wrapper`` runs the compiled graphs' wrappers in C++ instead of Python
-(Inductor's ``cpp_wrapper``), for every variant: what the host would cost without Python
-between the kernels. A variant that cannot compile so (the registered read op returns a list
+to the first. The forward is timed once more with dynamo's guard evaluation skipped
+(``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: safe here, every call passes the
+same inputs); the difference is what checking the layer's guards costs a call.
+``--cpp-wrapper`` runs the compiled graphs' wrappers in C++ instead of Python (Inductor's
+``cpp_wrapper``), for every variant: what the host would cost without Python between the
+kernels. A variant that cannot compile so (the registered read op returns a list
 of tensors, which the C++ wrapper cannot call yet) is recorded with its error.
 """
 
@@ -90,35 +93,43 @@ def measure(shape, variants, index, rounds=7, calls=100, warmup=5, backend="indu
                 call(True)
             runs[name] = call
             result[name] = {"plan": None if plan is None else repr(plan), "fwd_us": [],
-                            "fwd_bwd_us": []}  # fmt: skip
+                            "fwd_bwd_us": [], "fwd_unguarded_us": []}  # fmt: skip
         except Exception as e:  # recorded: the other variants still run
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             print(f"  {name}: {result[name]['error']}", flush=True)
+    timings = (
+        (False, "fwd_us", True),
+        (True, "fwd_bwd_us", True),
+        (False, "fwd_unguarded_us", False),
+    )
     for _ in range(rounds):
         for name, call in runs.items():
-            for backward, key in ((False, "fwd_us"), (True, "fwd_bwd_us")):
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call(backward)
-                result[name][key].append(1e6 * (time.perf_counter() - t0) / calls)
+            for backward, key, guarded in timings:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not guarded):
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        call(backward)
+                    result[name][key].append(1e6 * (time.perf_counter() - t0) / calls)
     for name in runs:
         row = result[name]
-        row["median_fwd_us"] = statistics.median(row["fwd_us"])
-        row["median_fwd_bwd_us"] = statistics.median(row["fwd_bwd_us"])
+        for _, key, _ in timings:
+            row[f"median_{key}"] = statistics.median(row[key])
+        row["guards_us"] = row["median_fwd_us"] - row["median_fwd_unguarded_us"]
     return result
 
 
 def table(result: dict) -> str:
     first = next((r for r in result.values() if "error" not in r), None)
-    lines = ["| variant | forward us | ratio | forward + backward us | ratio |"]
-    lines.append("|---|---|---|---|---|")
+    lines = ["| variant | forward us | ratio | forward + backward us | ratio | guards us |"]
+    lines.append("|---|---|---|---|---|---|")
     for name, r in result.items():
         if "error" in r:
-            lines.append(f"| {name} | - | - | - | - ({r['error'][:80]}) |")
+            lines.append(f"| {name} | - | - | - | - | - ({r['error'][:80]}) |")
             continue
         f, fb = r["median_fwd_us"], r["median_fwd_bwd_us"]
-        lines.append(f"| {name} | {f:.0f} | {f / first['median_fwd_us']:.2f}x | {fb:.0f} | "
-                     f"{fb / first['median_fwd_bwd_us']:.2f}x |")  # fmt: skip
+        ratios = f / first["median_fwd_us"], fb / first["median_fwd_bwd_us"]
+        lines.append(f"| {name} | {f:.0f} | {ratios[0]:.2f}x | {fb:.0f} | {ratios[1]:.2f}x | "
+                     f"{r['guards_us']:.0f} |")  # fmt: skip
     return "\n".join(lines)
 
 

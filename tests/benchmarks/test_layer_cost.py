@@ -16,12 +16,14 @@ def test_rounds_time_every_variant_and_a_failure_is_recorded():
                                 rounds=2, calls=1, warmup=1, backend="eager")  # fmt: skip
     for name in ("torchtitan", "sliced2_r8"):
         row = result[name]
-        assert len(row["fwd_us"]) == len(row["fwd_bwd_us"]) == 2, row
-        assert row["median_fwd_bwd_us"] > 0
+        assert len(row["fwd_us"]) == len(row["fwd_bwd_us"]) == len(row["fwd_unguarded_us"]) == 2
+        assert row["median_fwd_bwd_us"] > 0 and row["median_fwd_unguarded_us"] > 0
+        assert row["guards_us"] == row["median_fwd_us"] - row["median_fwd_unguarded_us"]
     assert "LayerPlan(index=2" in result["sliced2_r8"]["plan"]
     assert result["bogus"]["error"].startswith("ValueError: unknown variant 'bogus'")
     table = layer_cost.table(result)
     assert "| torchtitan | " in table and "1.00x" in table and "| bogus | - |" in table
+    assert table.splitlines()[0].endswith("| guards us |")
 
 
 def test_the_routed_layer_gets_what_the_model_gives_it():
