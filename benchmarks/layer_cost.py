@@ -81,6 +81,14 @@ def layer_call(name: str, shape: Shape, index: int, seed: int = 0, backend: str 
     return call, getattr(layer, "plan", None)
 
 
+# (backward, result key, guards evaluated): each round times every variant so, in this order
+TIMINGS = (
+    (False, "fwd_us", True),
+    (True, "fwd_bwd_us", True),
+    (False, "fwd_unguarded_us", False),
+)
+
+
 def measure(shape, variants, index, rounds=7, calls=100, warmup=5, backend="inductor") -> dict:
     """Every variant built and warmed first; then each round times ``calls`` calls of every
     variant in turn (forward, then forward + backward), so a drift of the machine reaches all
@@ -92,19 +100,14 @@ def measure(shape, variants, index, rounds=7, calls=100, warmup=5, backend="indu
             for _ in range(warmup):
                 call(True)
             runs[name] = call
-            result[name] = {"plan": None if plan is None else repr(plan), "fwd_us": [],
-                            "fwd_bwd_us": [], "fwd_unguarded_us": []}  # fmt: skip
+            result[name] = {"plan": None if plan is None else repr(plan),
+                            **{key: [] for _, key, _ in TIMINGS}}  # fmt: skip
         except Exception as e:  # recorded: the other variants still run
             result[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
             print(f"  {name}: {result[name]['error']}", flush=True)
-    timings = (
-        (False, "fwd_us", True),
-        (True, "fwd_bwd_us", True),
-        (False, "fwd_unguarded_us", False),
-    )
     for _ in range(rounds):
         for name, call in runs.items():
-            for backward, key, guarded in timings:
+            for backward, key, guarded in TIMINGS:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=not guarded):
                     t0 = time.perf_counter()
                     for _ in range(calls):
@@ -112,7 +115,7 @@ def measure(shape, variants, index, rounds=7, calls=100, warmup=5, backend="indu
                     result[name][key].append(1e6 * (time.perf_counter() - t0) / calls)
     for name in runs:
         row = result[name]
-        for _, key, _ in timings:
+        for _, key, _ in TIMINGS:
             row[f"median_{key}"] = statistics.median(row[key])
         row["guards_us"] = row["median_fwd_us"] - row["median_fwd_unguarded_us"]
     return result
