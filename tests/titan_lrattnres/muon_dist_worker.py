@@ -417,8 +417,9 @@ def main(out: str, mode: str = "fsdp") -> None:
 def launch(out, nproc: int, *args: str, timeout: int) -> list[dict]:
     """This worker on ``nproc`` gloo ranks (torchrun, one thread each) writing into ``out``;
     every rank's result."""
-    import subprocess
     from pathlib import Path
+
+    from tests import forkserver
 
     here = Path(__file__).resolve()
     root = here.parents[2]
@@ -426,7 +427,7 @@ def launch(out, nproc: int, *args: str, timeout: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
     cmd += [str(here), str(out), *args]
-    p = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout)
+    p = forkserver.run(cmd, env=env, cwd=root, timeout=timeout)
     assert p.returncode == 0, p.stderr[-5000:]
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -5,13 +5,13 @@ checks (``parallel_worker.py`` runs the trainer with the dump hooks)."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests import forkserver
 from titan_lrattnres.evaluation import inference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ class Runs:
             cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0"]
         cmd += [str(self.worker), model, "--dump_folder", str(out), *args]
         e = dict(self.env, TP_DUMP=str(out / "dump.pt"), TP_GRADS=str(out / "grads.pt"))
-        p = subprocess.run(cmd, env=e, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        p = forkserver.run(cmd, env=e, cwd=ROOT, timeout=900)
         assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-6000:])
         return out
 

@@ -30,6 +30,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests import forkserver
+
 ROOT = Path(__file__).resolve().parents[2]
 _RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -75,9 +77,7 @@ def launch(runs: list[dict], workdir: Path, env: dict, nproc: int = 1, timeout: 
             "localhost:0",
             *me,
         ]
-    p = subprocess.run(
-        [sys.executable, *me], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
-    )
+    p = forkserver.run([sys.executable, *me], env=env, cwd=ROOT, timeout=timeout)
     assert p.returncode == 0 and out.exists(), (p.stdout[-3000:], p.stderr[-6000:])
     result = json.loads(out.read_text())
     return result["runs"], result["environment"]

@@ -27,6 +27,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests import forkserver
 from titan_lrattnres.components import integrity
 from titan_lrattnres.evaluation import analysis, export, generate, sweep
 from titan_lrattnres.evaluation.inference import build_model, load_model
@@ -345,7 +346,7 @@ KILL_DRIVER = textwrap.dedent("""
 
 def _train(env, *args, driver: list[str] | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *(driver or ["-m", "titan_lrattnres.train"]), "cpu_smoke", *args]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return forkserver.run(cmd, env=env, cwd=ROOT, timeout=600)
 
 
 def _ok(p: subprocess.CompletedProcess) -> str:
@@ -489,11 +490,11 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_rank_fsdp_save_is_recorded_and_vetted(env, tmp_path):
     script, folder = tmp_path / "two_ranks.py", tmp_path / "step-1"
     script.write_text(TWO_RANKS)
-    p = subprocess.run(
+    p = forkserver.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--rdzv_backend",
          "c10d", "--rdzv_endpoint", "localhost:0", str(script), str(folder), integrity.__file__,
          cpu.__file__],
-        env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env=env, cwd=ROOT, timeout=300,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(integrity.read_record(folder)["files"]) == [

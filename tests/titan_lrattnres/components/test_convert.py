@@ -16,7 +16,6 @@ import copy
 import json
 import re
 import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -25,6 +24,7 @@ import pytest
 import torch
 from torch.nn.functional import cross_entropy
 
+from tests import forkserver
 from tests.titan_lrattnres.trainer_runs import ROOT, launch
 from titan_lrattnres.components import convert, integrity
 from titan_lrattnres.components.optimizers import recipe_param_groups
@@ -322,14 +322,14 @@ def test_old_checkpoint_refused_converted_and_resumed(env, tmp_path):
 
     for name in ("sites", "bank", "pairs"):
         cmd = [sys.executable, "-m", "titan_lrattnres.convert", str(tmp_path / name)]
-        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = forkserver.run(cmd, env=env, cwd=ROOT, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
         assert f"converted in place ({LAYERS} layers" in p.stdout
         assert (tmp_path / name / "checkpoint" / f"step-2{convert.BACKUP_SUFFIX}").is_dir()
         assert _stored(steps[name]) == _stored(want)
         integrity.check(steps[name])
         assert _equal(_flat(steps[name]), _flat(want))  # every entry, bitwise
-        p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        p = forkserver.run(cmd, env=env, cwd=ROOT, timeout=300)
         assert p.returncode == 0 and "already in the layer layout" in p.stdout
 
     runs, _ = launch(

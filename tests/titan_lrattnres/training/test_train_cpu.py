@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from titan_lrattnres.components import integrity
 from titan_lrattnres.training import cpu
 
@@ -29,9 +30,13 @@ def _train_cmd(*args) -> list[str]:
     return [sys.executable, "-m", "titan_lrattnres.train", "cpu_smoke", *args]
 
 
-def _run(cmd, env, timeout=300) -> subprocess.CompletedProcess:
-    p = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return p
+def _run(cmd, env, timeout=300, fresh=False) -> subprocess.CompletedProcess:
+    """``cmd``'s result; forked from the test's pre-imported server unless ``fresh`` (a new
+    interpreter, as a user starts it)."""
+    if fresh:
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=timeout)  # fmt: skip
+    return forkserver.run(cmd, env=env, cwd=ROOT, timeout=timeout)
 
 
 def _ok(p: subprocess.CompletedProcess) -> None:
@@ -63,6 +68,7 @@ def reference_run(env, tmp_path_factory):
             *DETERMINISTIC,
         ),
         env,
+        fresh=True,
     )
     _ok(p)
     print(f"reference run: {time.perf_counter() - t:.1f}s")
