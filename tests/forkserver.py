@@ -218,17 +218,20 @@ class _Server:
 _SERVERS: dict[frozenset, _Server] = {}
 
 
-def run(cmd: list[str], *, env: dict, cwd=ROOT, timeout: float | None = None):
+def run(cmd: list[str], *, env: dict, cwd=ROOT, timeout: float | None = None, run_time=()):
     """``subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
-    timeout=timeout)``, forked from a server when the command is one it runs (see the module)."""
+    timeout=timeout)``, forked from a server when the command is one it runs (see the module).
+    ``run_time``: more variables than :data:`RUN_TIME` that the command reads only once running
+    (a test driver's own)."""
     job = parse(cmd)
     if job is None:
         return subprocess.run(
             cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
-    key = frozenset((k, v) for k, v in env.items() if k not in RUN_TIME)
+    imported = {k: v for k, v in env.items() if k not in RUN_TIME and k not in run_time}
+    key = frozenset(imported.items())
     if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:
-        _SERVERS[key] = _Server({k: v for k, v in env.items() if k not in RUN_TIME})
+        _SERVERS[key] = _Server(imported)
     job.update(env=dict(env), cwd=str(Path(cwd).resolve()))
     return _SERVERS[key].run(cmd, job, timeout)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import forkserver
 from titan_lrattnres.components import integrity
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -74,8 +75,12 @@ DRIVER = textwrap.dedent("""
 
 
 def _run(cmd, env, **extra) -> subprocess.CompletedProcess:
+    """``cmd`` with the driver's variables ``extra``; forked from the tests' pre-imported server
+    (``tests/forkserver.py``) but under torchrun, whose own report the tests read."""
     env = {**env, **{k: str(v) for k, v in extra.items()}}
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if "torch.distributed.run" in cmd:
+        return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return forkserver.run(cmd, env=env, cwd=ROOT, timeout=300, run_time=extra)
 
 
 def _train(driver: Path, out: Path, *args, nproc: int = 1) -> list[str]:
