@@ -22,6 +22,7 @@ runs as a plain subprocess. Tests that check what a command prints at import tim
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import runpy
@@ -81,7 +82,6 @@ def _child(job: dict, rank: int, pgid: int, reply) -> dict:
         os.setpgid(0, pgid)
     except OSError:  # rank 0 has exited: stay in the server's group
         pass
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     out = os.open(job["stdout"], os.O_WRONLY | os.O_APPEND)
     err = os.open(job["stderr"], os.O_WRONLY | os.O_APPEND)
@@ -101,18 +101,25 @@ def _child(job: dict, rank: int, pgid: int, reply) -> dict:
     return job
 
 
-def _wait(pids: list[int]) -> int:
-    """Wait for a job's processes; the first failure stops the others. Its exit code (as
-    ``subprocess`` gives it: ``-signal`` when killed), else 0."""
-    rc, alive = 0, set(pids)
+def _wait(pids: list[int], grace: float) -> int:
+    """Wait for a job's processes. The first failure stops the others as torchrun does: SIGTERM,
+    then SIGKILL after ``grace`` seconds. Its exit code (as ``subprocess`` gives it: ``-signal``
+    when killed), else 0."""
+    rc, alive, deadline = 0, set(pids), None
     while alive:
-        pid, status = os.wait()
+        pid, status = os.waitpid(-1, 0 if deadline is None else os.WNOHANG)
+        if pid == 0:  # stopping the others: not yet
+            if time.monotonic() > deadline:
+                for other in alive:
+                    os.kill(other, signal.SIGKILL)
+            time.sleep(0.05)
+            continue
         if pid not in alive:
             continue
         alive.discard(pid)
         code = os.waitstatus_to_exitcode(status)
         if code and not rc:
-            rc = code
+            rc, deadline = code, time.monotonic() + grace
             for other in alive:
                 os.kill(other, signal.SIGTERM)
     return rc
@@ -141,7 +148,7 @@ def serve(requests, reply_fd: int) -> dict:
                 pass
             pids.append(pid)
         reply.write(json.dumps({"pgid": pids[0]}) + "\n")
-        reply.write(json.dumps({"rc": _wait(pids)}) + "\n")
+        reply.write(json.dumps({"rc": _wait(pids, job["grace"])}) + "\n")
     sys.exit(0)
 
 
@@ -206,7 +213,8 @@ class _Server:
         start = time.monotonic()
         rc = self._expect("rc", timeout=timeout)
         if rc is None:
-            os.killpg(pgid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.killpg(pgid, signal.SIGKILL)
             self._expect("rc", timeout=60)
             raise subprocess.TimeoutExpired(cmd, time.monotonic() - start, out.read_text(),
                                             err.read_text())  # fmt: skip
@@ -218,11 +226,13 @@ class _Server:
 _SERVERS: dict[frozenset, _Server] = {}
 
 
-def run(cmd: list[str], *, env: dict, cwd=ROOT, timeout: float | None = None, run_time=()):
+def run(cmd: list[str], *, env: dict, cwd=ROOT, timeout: float | None = None, run_time=(),
+        grace: float = 30.0):  # fmt: skip
     """``subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True,
     timeout=timeout)``, forked from a server when the command is one it runs (see the module).
     ``run_time``: more variables than :data:`RUN_TIME` that the command reads only once running
-    (a test driver's own)."""
+    (a test driver's own). ``grace``: when a rank fails, seconds from SIGTERM to SIGKILL for the
+    others (torchrun's default)."""
     job = parse(cmd)
     if job is None:
         return subprocess.run(
@@ -232,7 +242,7 @@ def run(cmd: list[str], *, env: dict, cwd=ROOT, timeout: float | None = None, ru
     key = frozenset(imported.items())
     if key not in _SERVERS or _SERVERS[key].proc.poll() is not None:
         _SERVERS[key] = _Server(imported)
-    job.update(env=dict(env), cwd=str(Path(cwd).resolve()))
+    job.update(env=dict(env), cwd=str(Path(cwd).resolve()), grace=grace)
     return _SERVERS[key].run(cmd, job, timeout)
 
 

@@ -20,11 +20,17 @@ sys.exit(int(sys.argv[-1]))
 """
 
 RANKS = """
-import os, sys, time
+import os, signal, sys, time
 import torch, torch.distributed as dist
 rank = int(os.environ["RANK"])
 if sys.argv[1:] == ["fail"]:  # rank 1 fails at once, rank 0 would wait
     sys.exit(7) if rank == 1 else time.sleep(600)
+if sys.argv[1:] == ["fail_deaf"]:  # the same, rank 0 ignoring SIGTERM
+    if rank == 1:
+        time.sleep(1)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(600)
 dist.init_process_group("gloo")
 t = torch.tensor([float(rank)])
 dist.all_reduce(t)
@@ -86,10 +92,12 @@ def test_ranks_get_torchrun_variables_and_a_process_group(env, tmp_path):
     assert lines == ["rank 0 of 2 local 0 sum 1.0", "rank 1 of 2 local 1 sum 1.0"]
 
 
-def test_a_failing_rank_stops_the_others(env, tmp_path):
+@pytest.mark.parametrize("how", ["fail", "fail_deaf"])
+def test_a_failing_rank_stops_the_others(env, tmp_path, how):
+    """SIGTERM to the others, SIGKILL ``grace`` seconds later (rank 0 sleeps 600 s)."""
     (tmp_path / "ranks.py").write_text(RANKS)
     t0 = time.monotonic()
-    got = forkserver.run(_torchrun(tmp_path / "ranks.py", "fail"), env=env, timeout=120)
+    got = forkserver.run(_torchrun(tmp_path / "ranks.py", how), env=env, timeout=120, grace=2)
     assert got.returncode == 7
     assert time.monotonic() - t0 < 60
 
