@@ -22,11 +22,13 @@ runs as a plain subprocess. Tests that check what a command prints at import tim
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,7 +43,7 @@ PRELOAD = ("torch", "torchtitan.trainer")
 RUN_TIME = frozenset(
     {"LRATTNRES_DATA_DIR", "TORCHINDUCTOR_CACHE_DIR", "TP_DUMP", "TP_GRADS", "PYTEST_CURRENT_TEST"}
 )
-_TORCHRUN_FLAGS = {"--nproc_per_node": int, "--rdzv_backend": str, "--rdzv_endpoint": str}
+_TORCHRUN_FLAGS = frozenset({"--nproc_per_node", "--rdzv_backend", "--rdzv_endpoint"})
 
 
 def parse(cmd: list[str]) -> dict | None:
@@ -169,6 +171,7 @@ def _run_job(job: dict):
 class _Server:
     def __init__(self, env: dict):
         self.dir = Path(tempfile.mkdtemp(prefix="forkserver_"))
+        atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
         read_fd, write_fd = os.pipe()
         self.log = open(self.dir / "server.log", "w")  # noqa: SIM115 (lives with the server)
         self.proc = subprocess.Popen(
