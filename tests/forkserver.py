@@ -71,7 +71,8 @@ def parse(cmd: list[str]) -> dict | None:
 # ---------------------------------------------------------------- the server (its own process)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -137,7 +138,7 @@ def serve(requests, reply_fd: int) -> dict:
     for line in requests:
         job = json.loads(line)
         if job["nproc"] > 1:
-            job["port"] = _free_port()
+            job["port"] = free_port()
         sys.stdout.flush(), sys.stderr.flush()
         pids: list[int] = []
         for rank in range(job["nproc"]):

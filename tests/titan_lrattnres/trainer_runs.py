@@ -23,7 +23,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -119,12 +118,6 @@ def environment() -> dict:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _port_exchange():
     """``(rank, world, next_port)``; ``next_port(i)`` agrees on a fresh port for run ``i``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,7 +137,7 @@ def _port_exchange():
     def next_port(i: int) -> int:
         key = f"lrattnres_trainer_runs/{i}/port"
         if rank == 0:
-            store.set(key, str(_free_port()))
+            store.set(key, str(forkserver.free_port()))
         return int(store.get(key))
 
     next_port.store = store  # kept alive for the whole list
