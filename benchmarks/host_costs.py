@@ -1,7 +1,8 @@
 """What a step does on the host, event by event, against torchtitan's decoder of the same shape.
 
     python -m benchmarks.host_costs [--layers 24 --dim 64 --seq 32] [--ac none|selective|full]
-        [--variants torchtitan,baseline,block8,...] [--steps 5] [--top 12] [--json PATH]
+        [--variants torchtitan,baseline,block8,...] [--steps 5] [--guard-pairs 0] [--top 12]
+        [--json PATH]
 
 Where a step is host work (a tiny width), its time is the calls the host makes. For each variant
 (``benchmarks.overhead``'s models: every layer compiled as torchtitan compiles it, after
@@ -11,7 +12,9 @@ step's top-level host events (those with no parent event: a compiled layer's reg
 cache lookup, the autograd engine's node evaluations, the eager ops outside the layers) are
 counted and timed by name (compile ids and graph hashes left out of the name), per step. The
 step's wall time under the profiler less its top-level events' is the host time outside every
-event (Python between the calls, the profiler's own).
+event (Python between the calls, the profiler's own). ``--guard-pairs N`` also times, without
+the profiler, N pairs of steps with dynamo's guards checked and skipped: what checking them
+costs a step (``guard_cost``).
 
 The tables: per variant, its top-level events per step, their time and the time outside them,
 each beside torchtitan's decoder's; then, per variant, the events whose count per step differs
@@ -79,6 +82,26 @@ def profile_steps(step, steps: int, device="cpu") -> dict:
     }
 
 
+def guard_cost(step, pairs: int, device="cpu") -> dict:
+    """What dynamo's guard checks cost a step: ``pairs`` pairs of unprofiled steps, one with
+    every compiled region's guards evaluated and one with them skipped
+    (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: safe here, every step passes
+    the same inputs to the same modules), alternating so a drift of the machine reaches both;
+    the medians (microseconds) and their difference."""
+    times = {False: [], True: []}
+    for _ in range(pairs):
+        for skip in (False, True):
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
+                _sync(device)
+                t0 = time.perf_counter()
+                step()
+                _sync(device)
+                times[skip].append(1e6 * (time.perf_counter() - t0))
+    guarded, unguarded = (statistics.median(times[skip]) for skip in (False, True))
+    return {"guarded_step_us": guarded, "unguarded_step_us": unguarded,
+            "guards_us": guarded - unguarded}  # fmt: skip
+
+
 def measure(
     shape: Shape,
     variants=DEFAULT_VARIANTS,
@@ -89,10 +112,12 @@ def measure(
     device="cpu",
     compile_: bool = True,
     backend: str = "inductor",
+    guard_pairs: int = 0,
     progress=print,
 ) -> dict:
     """Per variant, :func:`profile_steps` of its training step (``benchmarks.overhead.Step``:
-    forward, loss, backward; fp32) after ``warmup`` steps; with ``torchtitan`` among the
+    forward, loss, backward; fp32) after ``warmup`` steps, and with ``guard_pairs`` its
+    :func:`guard_cost`; with ``torchtitan`` among the
     variants, each row adds ``over_torchtitan``: its per-step differences to torchtitan's
     decoder (events, their time, the time outside them)."""
     for name in variants:
@@ -107,6 +132,8 @@ def measure(
         for _ in range(warmup):
             step()
         result[name] = profile_steps(step, steps, device)
+        if guard_pairs:
+            result[name].update(guard_cost(step, guard_pairs, device))
         progress(f"  profiled {name}")
     if "torchtitan" in result:
         base = result["torchtitan"]
@@ -136,6 +163,10 @@ def table(result: dict, top: int = 12) -> str:
              + (" events over torchtitan | ms over torchtitan | outside ms over torchtitan |"
                 if titan else ""),
              "|---|---|---|---|" + ("---|---|---|" if titan else "")]  # fmt: skip
+    guards = all("guards_us" in r for r in result.values())
+    if guards:
+        lines = [lines[0] + " step ms, guards checked / skipped | guards ms / step |",
+                 lines[1] + "---|---|"]  # fmt: skip
     for name, r in result.items():
         line = (f"| {name} | {r['top_level_per_step']:.0f} | {r['top_level_us'] / 1e3:.2f} | "
                 f"{r['outside_us'] / 1e3:.2f} |")  # fmt: skip
@@ -143,6 +174,9 @@ def table(result: dict, top: int = 12) -> str:
             o = r["over_torchtitan"]
             line += (f" {o['top_level_per_step']:+.0f} | {o['top_level_us'] / 1e3:+.2f} | "
                      f"{o['outside_us'] / 1e3:+.2f} |")  # fmt: skip
+        if guards:
+            line += (f" {r['guarded_step_us'] / 1e3:.2f} / {r['unguarded_step_us'] / 1e3:.2f} | "
+                     f"{r['guards_us'] / 1e3:.2f} |")  # fmt: skip
         lines.append(line)
     if not titan:
         return "\n".join(lines)
@@ -170,12 +204,18 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS))
     p.add_argument("--steps", type=int, default=5, help="profiled steps per variant")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument(
+        "--guard-pairs",
+        type=int,
+        default=0,
+        help="also time this many pairs of steps with guards checked / skipped",
+    )
     p.add_argument("--top", type=int, default=12, help="events listed by time difference")
     p.add_argument("--no-compile", action="store_true", help="eager layers (debugging)")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    if args.steps < 1:
-        p.error("--steps must be >= 1")
+    if args.steps < 1 or args.guard_pairs < 0:
+        p.error("--steps must be >= 1 and --guard-pairs >= 0")
     if torch.device(args.device).type == "cpu":
         from titan_lrattnres.training.cpu import keep_freed_memory
 
@@ -184,7 +224,8 @@ def main(argv=None) -> int:
     variants = [v for v in args.variants.split(",") if v]
     try:
         result = measure(shape, variants, steps=args.steps, warmup=args.warmup, ac=args.ac,
-                         device=args.device, compile_=not args.no_compile)  # fmt: skip
+                         device=args.device, compile_=not args.no_compile,
+                         guard_pairs=args.guard_pairs)  # fmt: skip
     except (ValueError, RuntimeError) as e:
         print(f"host_costs: {e}", file=sys.stderr)
         return 2

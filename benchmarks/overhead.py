@@ -55,9 +55,13 @@ from titan_lrattnres.evaluation.memory import AC_MODES  # noqa: F401  (benchmark
 # {attnres|sliced|projected}{N|full}[_r{R}] (e.g. sliced4_r32) is parsed by ``parse_variant``.
 # ``torchtitan``: torchtitan's own decoder (``Llama3Model``) of the same shape, built from the
 # baseline's attention, MLP, norm, embedding and head configs: what a user would otherwise run.
+# ``baseline_unshared``: the baseline with a graph of its own for every layer (each layer's
+# forward its own code object), as layers that differ in their inputs compile: what L distinct
+# compiled units cost a step against one shared by all layers, whatever the layers compute.
 VARIANTS = {
     "torchtitan": ("torchtitan", None, 0),
     "baseline": ("baseline", None, 0),
+    "baseline_unshared": ("baseline", None, 0),
     "block8": ("attnres", 8, 0),
     "sliced8_r64": ("sliced", 8, 64),
     "projected8_r32": ("projected", 8, 32),
@@ -81,7 +85,7 @@ def parse_variant(name: str) -> tuple[str, int | None, int]:
     return m[1], blocks, int(m[3] or 0)
 
 
-DEFAULT_VARIANTS = tuple(VARIANTS)
+DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v != "baseline_unshared")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -156,6 +160,7 @@ def build(
     from torchtitan.distributed.compile import apply_compile
 
     from titan_lrattnres.evaluation.memory import apply_ac
+    from titan_lrattnres.model.model import plan_forward
     from titan_lrattnres.model.registry import Flavor, build_model_config
     from titan_lrattnres.parallel.compile import compile_layers
 
@@ -189,6 +194,10 @@ def build(
         if not pname.endswith("queries"):  # fp32 queries, as in mixed precision
             param.data = param.data.to(dtype)
     model.train()
+    if name == "baseline_unshared":  # one plan, hence one graph, per layer
+        for i, layer in enumerate(model.layers.values()):
+            layer.plan_key = ("baseline", "unshared", i)
+            plan_forward(layer, layer)
     apply_ac(model, ac)
     if compile_:
 

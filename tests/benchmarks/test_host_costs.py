@@ -23,7 +23,7 @@ def result():
     try:
         variants = ["torchtitan", "baseline", "sliced2_r8"]
         yield host_costs.measure(SHAPE, variants, steps=2, warmup=2, backend="aot_eager",
-                                 progress=lambda _: None)  # fmt: skip
+                                 guard_pairs=3, progress=lambda _: None)  # fmt: skip
     finally:
         torch._dynamo.reset()
 
@@ -45,6 +45,20 @@ def test_every_variant_calls_one_compiled_unit_per_layer(result):
         assert 0 < row["top_level_us"] and row["outside_us"] >= 0
 
 
+def test_guard_cost_is_the_difference_of_steps_checked_and_skipped(result, monkeypatch):
+    for row in result.values():
+        assert row["guarded_step_us"] > 0 and row["unguarded_step_us"] > 0
+        assert row["guards_us"] == row["guarded_step_us"] - row["unguarded_step_us"]
+    skipped = []  # the stance each timed step ran under, as guard_cost sets it
+
+    def step():
+        skipped.append(torch._dynamo.eval_frame._stance.skip_guard_eval_unsafe)
+
+    costs = host_costs.guard_cost(step, 2)
+    assert skipped == [False, True, False, True]
+    assert set(costs) == {"guarded_step_us", "unguarded_step_us", "guards_us"}
+
+
 def test_differences_to_torchtitans_decoder(result):
     counts = {n: {e: d["count"] for e, d in r["events"].items()} for n, r in result.items()}
     assert counts["baseline"] == counts["torchtitan"]  # the same step, event for event
@@ -60,6 +74,7 @@ def test_table_and_json(result, tmp_path, monkeypatch):
     assert "| sliced2_r8 | autograd::engine::evaluate_function: torch::autograd::AccumulateGrad" \
         " | 14 | +2 |" in text  # fmt: skip
     assert "| baseline | " in text.split("events over torchtitan")[1]
+    assert "guards ms / step |" in text.splitlines()[0]
     monkeypatch.setattr(host_costs, "measure", lambda *a, **k: result)
     path = tmp_path / "h.json"
     args = [

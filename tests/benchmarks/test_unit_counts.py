@@ -108,3 +108,19 @@ def test_fsdp_units_are_the_layers_and_torchtitans_own(name):
             for _ in range(3):
                 assert torch.isfinite(step())
     assert not counters["recompiles"], dict(counters["recompiles"])
+
+
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_the_unshared_baseline_compiles_one_graph_per_layer(ac):
+    """``baseline_unshared``: the baseline's step with L graphs, one per layer, where the baseline
+    compiles one for all; the same losses."""
+    losses = {}
+    for name in ("baseline", "baseline_unshared"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _build(name, ac=ac)
+        assert len(_compiled_units(model)) == SHAPE.layers
+        losses[name] = _step(model)().item()
+        graphs = 1 if name == "baseline" else SHAPE.layers
+        assert counters["stats"]["unique_graphs"] == graphs, (name, dict(counters["stats"]))
+    assert losses["baseline"] == losses["baseline_unshared"]
