@@ -19,7 +19,8 @@ from dataclasses import asdict
 import torch
 
 from benchmarks.meta import environment, write
-from benchmarks.overhead import VARIANTS, parse_variant
+from benchmarks.overhead import DEFAULT_VARIANTS as STEP_VARIANTS
+from benchmarks.overhead import parse_variant
 from titan_lrattnres.evaluation.memory import (  # noqa: F401  (benchmarks.memory.<name> as before)
     AC_MODES,
     DTYPES,
@@ -40,8 +41,7 @@ from titan_lrattnres.evaluation.memory import (  # noqa: F401  (benchmarks.memor
 
 # The prediction itself is titan_lrattnres.evaluation.memory (the sweep's memory column); this
 # module is its command, over a table of variants.
-# the project's model only; baseline_unshared differs from the baseline in its graphs, not memory
-DEFAULT_VARIANTS = tuple(v for v in VARIANTS if v not in ("torchtitan", "baseline_unshared"))
+DEFAULT_VARIANTS = tuple(v for v in STEP_VARIANTS if v != "torchtitan")  # the project's model only
 
 
 def named_case(name: str, **kw) -> Case:
