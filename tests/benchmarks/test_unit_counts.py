@@ -1,7 +1,9 @@
 """The benchmarks' models have torchtitan's units: a model of L layers is L compiled units (and,
 under FSDP2, L FSDP units beside torchtitan's own), trains three steps without a recompile, with
 or without activation checkpointing. Several models in one process:
-``tests/titan_lrattnres/model/test_compile.py``."""
+``tests/titan_lrattnres/model/test_compile.py``. Units, graphs and recompiles are dynamo's, so
+the models compile with dynamo's ``eager`` backend; what AOTAutograd and Inductor make of the
+layers' graphs: ``tests/titan_lrattnres/model/test_backends.py``."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ def _step(model, shape=SHAPE, seed=0):
 
 
 def _build(name, shape=SHAPE, ac="none", compile_=True):
-    return overhead.build(name, shape, "cpu", torch.float32, compile_, ac=ac, backend="aot_eager")
+    return overhead.build(name, shape, "cpu", torch.float32, compile_, ac=ac, backend="eager")
 
 
 def _compiled_units(model) -> list:
