@@ -4,7 +4,7 @@ Compiles every entry of ``model.layers`` with ``fullgraph=True`` exactly as torc
 ``apply_compile`` does, on a 24-layer model; and several models in one process. Graph breaks,
 recompiles, the recompile limit and the graph count are dynamo's, so these tests compile with
 dynamo's ``eager`` backend (the captured graphs run as they are); what AOTAutograd and Inductor
-make of a layer's graph is ``test_backends``' and ``test_unit_counts``'.
+make of a layer's graph is tested in ``test_backends.py``.
 """
 
 import pytest
