@@ -28,14 +28,12 @@ import argparse
 import re
 import statistics
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
 from benchmarks.meta import environment, write
-from benchmarks.ops import _sync
-from benchmarks.overhead import AC_MODES, Shape, Step, build, parse_variant
+from benchmarks.overhead import AC_MODES, Shape, Step, _timed, build, parse_variant
 
 DEFAULT_VARIANTS = ("torchtitan", "baseline", "block8", "sliced8_r64", "projected8_r32", "full")
 # compile ids ("Torch-Compiled Region: 3/0") and graph hashes ("CompiledFxGraph fdhnzks")
@@ -57,11 +55,7 @@ def profile_steps(step, steps: int, device="cpu") -> dict:
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
-            _sync(device)
-            t0 = time.perf_counter()
-            step()
-            _sync(device)
-            walls.append(time.perf_counter() - t0)
+            walls.append(_timed(step, device))
     events = defaultdict(lambda: {"count": 0.0, "us": 0.0})
     for evt in prof.events():
         if evt.cpu_parent is not None:
@@ -92,11 +86,7 @@ def guard_cost(step, pairs: int, device="cpu") -> dict:
     for _ in range(pairs):
         for skip in (False, True):
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=skip):
-                _sync(device)
-                t0 = time.perf_counter()
-                step()
-                _sync(device)
-                times[skip].append(1e6 * (time.perf_counter() - t0))
+                times[skip].append(1e6 * _timed(step, device))
     guarded, unguarded = (statistics.median(times[skip]) for skip in (False, True))
     return {"guarded_step_us": guarded, "unguarded_step_us": unguarded,
             "guards_us": guarded - unguarded}  # fmt: skip
